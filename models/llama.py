@@ -1,0 +1,263 @@
+"""A Llama-family decoder in Flax NNX, and its functional adapter.
+
+Covers Llama/Mistral/Qwen2-style models: grouped-query attention, RoPE (HF half-split
+layout; llama2.c's adjacent-pair checkpoints are permuted at load), RMSNorm in float32,
+SwiGLU MLP, optional QKV bias, tied or untied output head.
+
+spec_jax never sees these classes: it gets `LlamaModel`, a frozen (hashable) handle whose
+`apply(params, tokens, positions, cache)` merges the NNX graph with `params` inside the
+caller's jit, so parameters are always traced arguments, never baked-in constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spec_jax.kv_cache import KVCache, causal_mask, write_rows
+from spec_jax.quantize import dense
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab_size: int
+  dim: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  hidden_dim: int
+  head_dim: int | None = None  # default dim // n_heads
+  max_seq_len: int = 2048
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  tie_embeddings: bool = True
+  dtype: str = "float32"  # parameter and activation dtype; norms and softmax run in float32
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
+                 "max_seq_len"):
+      if int(getattr(self, name)) <= 0:
+        raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+    if self.head_dim is None and self.dim % self.n_heads:
+      raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+    if self.resolved_head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {self.resolved_head_dim}")
+    jnp.dtype(self.dtype)  # raises on an unknown dtype name
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def num_params(self) -> int:
+    d, h, kv, hd = self.dim, self.n_heads, self.n_kv_heads, self.resolved_head_dim
+    attn = d * h * hd * 2 + d * kv * hd * 2 + (self.qkv_bias * (h + 2 * kv) * hd)
+    mlp = 3 * d * self.hidden_dim
+    head = 0 if self.tie_embeddings else self.vocab_size * d
+    return self.vocab_size * d + self.n_layers * (attn + mlp + 2 * d) + d + head
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+      raise ValueError(f"unknown LlamaConfig fields: {sorted(unknown)}")
+    return cls(**d)
+
+
+def _normal(key, shape, dtype, std):
+  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+  """y = x @ kernel[in, out] (+ bias). The kernel may be an int8 QuantizedArray."""
+
+  def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
+               rngs: nnx.Rngs):
+    self.kernel = nnx.Param(_normal(rngs.params(), (in_features, out_features), dtype,
+                                    in_features ** -0.5))
+    self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+  def __call__(self, x):
+    y = dense(x, self.kernel[...])
+    return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, *, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, half-split layout: dims (i, i + D/2) rotate together by pos * freq_i."""
+  half = x_BTHD.shape[-1] // 2
+  freq_F = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x_BTHD.shape[-1]))
+  angle_BTF = positions_BT.astype(jnp.float32)[..., None] * freq_F
+  cos, sin = jnp.cos(angle_BTF)[:, :, None, :], jnp.sin(angle_BTF)[:, :, None, :]
+  x1, x2 = x_BTHD[..., :half].astype(jnp.float32), x_BTHD[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTHD.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    d, hd, dt = cfg.dim, cfg.resolved_head_dim, cfg.jnp_dtype
+    self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+    self.rope_theta = cfg.rope_theta
+    self.wq = Linear(d, cfg.n_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+    self.wk = Linear(d, cfg.n_kv_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+    self.wv = Linear(d, cfg.n_kv_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+    self.wo = Linear(cfg.n_heads * hd, d, use_bias=False, dtype=dt, rngs=rngs)
+
+  def __call__(self, x_BTD, positions_BT, k_cache_BSKH, v_cache_BSKH, slots_BT, mask_BTS):
+    B, T, _ = x_BTD.shape
+    K, G, Dh = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+    q_BTHD = apply_rope(self.wq(x_BTD).reshape(B, T, K * G, Dh), positions_BT, self.rope_theta)
+    k_BTKD = apply_rope(self.wk(x_BTD).reshape(B, T, K, Dh), positions_BT, self.rope_theta)
+    v_BTKD = self.wv(x_BTD).reshape(B, T, K, Dh)
+    k_cache_BSKH = write_rows(k_cache_BSKH, slots_BT, k_BTKD)
+    v_cache_BSKH = write_rows(v_cache_BSKH, slots_BT, v_BTKD)
+    # query head h reads KV head h // G (grouped-query attention)
+    q_BTKGD = q_BTHD.reshape(B, T, K, G, Dh)
+    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_cache_BSKH,
+                              preferred_element_type=jnp.float32) * (Dh ** -0.5)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_cache_BSKH.dtype)
+    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_cache_BSKH)
+    return self.wo(out_BTKGD.reshape(B, T, K * G * Dh)), k_cache_BSKH, v_cache_BSKH
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    dt = cfg.jnp_dtype
+    self.w_gate = Linear(cfg.dim, cfg.hidden_dim, use_bias=False, dtype=dt, rngs=rngs)
+    self.w_up = Linear(cfg.dim, cfg.hidden_dim, use_bias=False, dtype=dt, rngs=rngs)
+    self.w_down = Linear(cfg.hidden_dim, cfg.dim, use_bias=False, dtype=dt, rngs=rngs)
+
+  def __call__(self, x):
+    return self.w_down(jax.nn.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    dt = cfg.jnp_dtype
+    self.attn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dt)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dt)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BTD, positions_BT, k_cache, v_cache, slots_BT, mask_BTS):
+    attn_out, k_cache, v_cache = self.attn(self.attn_norm(x_BTD), positions_BT, k_cache,
+                                           v_cache, slots_BT, mask_BTS)
+    x_BTD = x_BTD + attn_out
+    return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_cache, v_cache
+
+
+class Llama(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.config = cfg
+    self.embed = nnx.Param(_normal(rngs.params(), (cfg.vocab_size, cfg.dim), cfg.jnp_dtype, 1.0))
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.jnp_dtype)
+    self.lm_head = (None if cfg.tie_embeddings else
+                    Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype, rngs=rngs))
+
+  def embed_tokens(self, tokens_BT):
+    return jnp.take(self.embed[...], tokens_BT, axis=0)
+
+  def logits(self, hidden_BTD):
+    if self.lm_head is None:
+      return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed[...],
+                        preferred_element_type=jnp.float32)
+    return self.lm_head(hidden_BTD).astype(jnp.float32)
+
+  def __call__(self, tokens_BT, positions_BT, cache: KVCache, slots_BT, mask_BTS,
+               num_layers: int | None = None):
+    x_BTD = self.embed_tokens(tokens_BT)
+    ks, vs = [], []
+    used = len(self.layers) if num_layers is None else num_layers
+    for i, layer in enumerate(self.layers[:used]):
+      x_BTD, k, v = layer(x_BTD, positions_BT, cache.k_LBSKH[i], cache.v_LBSKH[i], slots_BT,
+                          mask_BTS)
+      ks.append(k)
+      vs.append(v)
+    hidden_BTD = self.final_norm(x_BTD)
+    k_all = jnp.stack(ks) if used == cache.k_LBSKH.shape[0] else cache.k_LBSKH.at[:used].set(jnp.stack(ks))
+    v_all = jnp.stack(vs) if used == cache.v_LBSKH.shape[0] else cache.v_LBSKH.at[:used].set(jnp.stack(vs))
+    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBSKH=k_all, v_LBSKH=v_all)
+
+
+@functools.lru_cache(maxsize=None)
+def _graphdef(cfg: LlamaConfig):
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
+  return graphdef
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaModel:
+  """Functional handle on a Llama config: hashable, so it can be a static jit argument.
+
+  `num_layers` < config.n_layers runs only the first layers (then final norm and head):
+  the layer-skip self-speculation draft shares the target's params and cache layout.
+  """
+  config: LlamaConfig
+  num_layers: int | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_seq_len(self) -> int:
+    return self.config.max_seq_len
+
+  def init_params(self, key: jax.Array) -> nnx.State:
+    return nnx.split(Llama(self.config, nnx.Rngs(params=key)))[1]
+
+  def abstract_params(self) -> nnx.State:
+    return nnx.split(nnx.eval_shape(lambda: Llama(self.config, nnx.Rngs(0))))[1]
+
+  def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+    cfg = self.config
+    layers = cfg.n_layers if self.num_layers is None else self.num_layers
+    return KVCache.zeros(num_layers=layers, batch_size=batch_size, max_len=max_len,
+                         num_kv_heads=cfg.n_kv_heads, head_dim=cfg.resolved_head_dim,
+                         dtype=cfg.jnp_dtype)
+
+  def module(self, params) -> Llama:
+    return nnx.merge(_graphdef(self.config), params)
+
+  def apply(self, params, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache, *,
+            slots_BT: jax.Array | None = None, mask_BTS: jax.Array | None = None):
+    """-> (logits[B,T,V] float32, hidden[B,T,D], cache with the T new entries written).
+
+    By default token t of row b is written to slot positions[b, t] and attends causally.
+    Token trees pass their own slots and mask. `cache.length_B` is left to the caller.
+    """
+    if slots_BT is None:
+      slots_BT = positions_BT
+    if mask_BTS is None:
+      mask_BTS = causal_mask(positions_BT, cache.max_len)
+    model = self.module(params)
+    return model(tokens_BT, positions_BT, cache, slots_BT, mask_BTS, self.num_layers)

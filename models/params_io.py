@@ -1,0 +1,71 @@
+"""Filling a model's NNX params from a flat {dotted.path: array} dict, with shape checks.
+
+Every checkpoint reader converts its file's tensors to our names and layouts, then calls
+`params_from_flat`, so shape and completeness checks live in one place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.llama import LlamaModel
+
+
+class CheckpointError(ValueError):
+  """A checkpoint file is truncated, malformed, inconsistent or unsupported."""
+
+
+def path_to_name(path) -> str:
+  parts = []
+  for k in path:
+    k = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+    if k == "value":  # the Variable's own value field
+      continue
+    parts.append(str(k))
+  return ".".join(parts)
+
+
+def flat_names(model: LlamaModel) -> dict[str, jax.ShapeDtypeStruct]:
+  """{name: abstract array} for every parameter of the model."""
+  abstract = model.abstract_params()
+  leaves = jax.tree_util.tree_leaves_with_path(abstract)
+  return {path_to_name(p): leaf for p, leaf in leaves}
+
+
+def params_to_flat(params) -> dict[str, np.ndarray]:
+  return {path_to_name(p): np.asarray(leaf)
+          for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def params_from_flat(model: LlamaModel, flat: dict[str, np.ndarray], *, source: str = "checkpoint"):
+  """Builds the model's params pytree from `flat`; every name must be present with its shape."""
+  expected = flat_names(model)
+  missing = sorted(set(expected) - set(flat))
+  extra = sorted(set(flat) - set(expected))
+  if missing or extra:
+    raise CheckpointError(f"{source}: parameters do not match the model: missing {missing[:8]}"
+                          f"{' ...' if len(missing) > 8 else ''}, unexpected {extra[:8]}")
+  for name, abstract in expected.items():
+    if tuple(flat[name].shape) != tuple(abstract.shape):
+      raise CheckpointError(f"{source}: parameter {name} has shape {tuple(flat[name].shape)}, "
+                            f"the model expects {tuple(abstract.shape)}")
+  abstract_state = model.abstract_params()
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+  dtype = model.config.jnp_dtype
+  new_leaves = [jnp.asarray(flat[path_to_name(p)], dtype) for p, _ in leaves_with_path]
+  return jax.tree_util.tree_unflatten(treedef, new_leaves)
+
+
+def permute_adjacent_to_half(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
+  """Reorders the output rows of a q/k projection from adjacent-pair RoPE to half-split RoPE.
+
+  Within each head, rows (2i, 2i+1) become rows (i, i + head_dim/2); attention scores are
+  unchanged because q and k are permuted alike.
+  """
+  out_f, in_f = w_OI.shape
+  head_dim = out_f // n_heads
+  return (w_OI.reshape(n_heads, head_dim // 2, 2, in_f).transpose(0, 2, 1, 3)
+          .reshape(out_f, in_f))
