@@ -1,0 +1,244 @@
+"""Autoregressive generation: prefill + one `lax.while_loop`, inside one `jax.jit`.
+
+This is the baseline that speculative decoding must reproduce exactly, and the home of
+the pieces both loops share: prompt checks, prefill, and writing tokens into the
+fixed-shape buffer with per-row EOS and token budgets.
+
+Buffers: `seq_BS` holds each row's prompt (left-aligned) followed by its generated tokens;
+S is the cache length. `pending_B` is the newest generated token, already in `seq_BS` but
+not yet fed to the model, so the model's cache always holds `prompt + generated - 1` slots.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from spec_jax.kv_cache import KVCache
+from spec_jax.sampling import SamplingConfig, sample
+
+NO_EOS = -1
+
+
+class CausalLM(Protocol):
+  """What spec_jax needs of a model (see DESIGN.md, the functional model interface)."""
+  vocab_size: int
+  max_seq_len: int
+
+  def init_cache(self, batch_size: int, max_len: int) -> KVCache: ...
+
+  def apply(self, params, tokens_BT, positions_BT, cache, **kw) -> tuple[jax.Array, jax.Array, KVCache]: ...
+
+
+@struct.dataclass
+class GenerationOutput:
+  tokens: jax.Array  # [B, max_new_tokens] generated tokens (EOS included), pad_id after
+  num_tokens: jax.Array  # [B] how many of `tokens` each row generated
+  metrics: Any = None  # speculative metrics (see spec_jax.metrics); None for autoregressive
+  sequences: jax.Array | None = None  # [B, S] prompt + generated, for inspection
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0,
+                width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Left-aligned, right-padded [B, width] int32 tokens and [B] lengths.
+
+  Padding to a fixed `width` keeps shapes, hence the compiled program, the same across
+  prompts of different lengths.
+  """
+  if not prompts:
+    raise ValueError("no prompts given")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  width = int(lengths.max()) if width is None else width
+  if lengths.max() > width:
+    raise ValueError(f"a prompt has {lengths.max()} tokens, more than the padded width {width}")
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, :len(prompt)] = prompt
+  return tokens, lengths
+
+
+def check_generation_args(model: CausalLM, prompt_tokens_BP, prompt_lengths_B, *,
+                          max_new_tokens: int, extra_slots: int = 0,
+                          cache_len: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+  """Validates prompts and sizes on the host, before anything is computed.
+
+  Returns (tokens, lengths, cache_len). `extra_slots` is room a speculative round writes
+  past the last kept token (its gamma drafts).
+  """
+  tokens = np.asarray(prompt_tokens_BP)
+  lengths = np.asarray(prompt_lengths_B)
+  if tokens.ndim != 2:
+    raise ValueError(f"prompt tokens must be [batch, width], got shape {tokens.shape}")
+  if not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"prompt tokens must be integers, got {tokens.dtype}")
+  if lengths.shape != (tokens.shape[0],):
+    raise ValueError(f"prompt lengths must have shape ({tokens.shape[0]},), got {lengths.shape}")
+  if (lengths < 1).any() or (lengths > tokens.shape[1]).any():
+    raise ValueError(f"prompt lengths must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
+  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  bad = valid & ((tokens < 0) | (tokens >= model.vocab_size))
+  if bad.any():
+    row, col = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"prompt token id {int(tokens[row, col])} (row {row}, position {col}) is "
+                     f"outside the model's vocabulary [0, {model.vocab_size})")
+  if int(max_new_tokens) < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  needed = tokens.shape[1] + int(max_new_tokens) + int(extra_slots)
+  if cache_len is None:
+    cache_len = needed
+  if needed > cache_len:
+    raise ValueError(f"the cache of {cache_len} slots is too small: prompts of width "
+                     f"{tokens.shape[1]} + {max_new_tokens} new tokens + {extra_slots} draft "
+                     f"slots need {needed}")
+  if cache_len > model.max_seq_len:
+    raise ValueError(f"prompt width {tokens.shape[1]} + {max_new_tokens} new tokens"
+                     f"{f' + {extra_slots} draft slots' if extra_slots else ''} = {needed} "
+                     f"positions is longer than the model's context of {model.max_seq_len}")
+  return tokens.astype(np.int32), lengths.astype(np.int32), int(cache_len)
+
+
+def budgets_array(max_new_tokens: int, budgets_B, batch_size: int) -> np.ndarray:
+  """Per-row token budgets (default: all rows max_new_tokens), each in [1, max_new_tokens]."""
+  if budgets_B is None:
+    return np.full((batch_size,), max_new_tokens, np.int32)
+  budgets = np.asarray(budgets_B, np.int32)
+  if budgets.shape != (batch_size,) or (budgets < 1).any() or (budgets > max_new_tokens).any():
+    raise ValueError(f"per-row budgets must be [{batch_size}] ints in [1, {max_new_tokens}], "
+                     f"got {budgets_B}")
+  return budgets
+
+
+def prefill(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
+  """Runs the prompts through the model -> (last-position logits [B,V], hidden [B,P,D], cache)."""
+  batch, width = tokens_BP.shape
+  positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+  cache = model.init_cache(batch, cache_len)
+  logits_BPV, hidden_BPD, cache = model.apply(params, tokens_BP, positions_BP, cache)
+  last_logits_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  return last_logits_BV, hidden_BPD, cache.with_length(lengths_B)
+
+
+def write_tokens(seq_BS, start_B, new_BK, count_B):
+  """seq[b, start[b] + j] = new[b, j] for j < count[b]; nothing else changes."""
+  j_K = jnp.arange(new_BK.shape[1], dtype=jnp.int32)
+  slots_BK = jnp.where(j_K[None, :] < count_B[:, None], start_B[:, None] + j_K[None, :],
+                       seq_BS.shape[1])  # out of range -> dropped
+  return seq_BS.at[jnp.arange(seq_BS.shape[0])[:, None], slots_BK].set(new_BK, mode="drop")
+
+
+def tokens_to_emit(new_BK, num_new_B, num_generated_B, budget_B, done_B, eos_id):
+  """How many of the candidate tokens each row keeps, and whether it is then done.
+
+  A row keeps its candidates up to and including the first EOS, never more than its
+  remaining budget, and nothing once it is done.
+  """
+  j_K = jnp.arange(new_BK.shape[1], dtype=jnp.int32)
+  is_eos_BK = (new_BK == eos_id) & (j_K[None, :] < num_new_B[:, None])
+  first_eos_B = jnp.where(is_eos_BK.any(axis=1), jnp.argmax(is_eos_BK, axis=1), new_BK.shape[1])
+  count_B = jnp.minimum(jnp.minimum(num_new_B, first_eos_B + 1), budget_B - num_generated_B)
+  count_B = jnp.where(done_B, 0, jnp.maximum(count_B, 0))
+  hit_eos_B = is_eos_BK.any(axis=1) & (first_eos_B < count_B)
+  now_done_B = done_B | hit_eos_B | (num_generated_B + count_B >= budget_B)
+  return count_B, now_done_B
+
+
+def first_token(key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, sampling):
+  """Samples the first generated token after prefill and writes it into the buffer."""
+  pending_B = sample(key, last_logits_BV, sampling)
+  zeros_B = jnp.zeros_like(lengths_B)
+  count_B, done_B = tokens_to_emit(pending_B[:, None], jnp.ones_like(lengths_B), zeros_B, budget_B,
+                                   jnp.zeros_like(lengths_B, bool), eos_id)
+  seq_BS = write_tokens(seq_BS, lengths_B, pending_B[:, None], count_B)
+  return pending_B, seq_BS, count_B, done_B
+
+
+def gather_generated(seq_BS, lengths_B, num_generated_B, max_new_tokens: int, pad_id):
+  """The generated part of each row of the buffer: [B, max_new_tokens], pad_id after."""
+  j_N = jnp.arange(max_new_tokens, dtype=jnp.int32)
+  idx_BN = jnp.minimum(lengths_B[:, None] + j_N[None, :], seq_BS.shape[1] - 1)
+  out_BN = jnp.take_along_axis(seq_BS, idx_BN, axis=1)
+  return jnp.where(j_N[None, :] < num_generated_B[:, None], out_BN, pad_id)
+
+
+def initial_buffer(tokens_BP, cache_len: int):
+  batch, width = tokens_BP.shape
+  return jnp.zeros((batch, cache_len), jnp.int32).at[:, :width].set(tokens_BP)
+
+
+@struct.dataclass
+class _ARState:
+  seq_BS: jax.Array
+  pending_B: jax.Array
+  num_generated_B: jax.Array
+  done_B: jax.Array
+  cache: KVCache
+  key: jax.Array
+  step: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_len", "sampling"))
+def _generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_id, pad_id, key, *,
+                  max_new_tokens: int, cache_len: int, sampling: SamplingConfig):
+  seq_BS = initial_buffer(tokens_BP, cache_len)
+  last_logits_BV, _, cache = prefill(model, params, tokens_BP, lengths_B, cache_len)
+  key, first_key = jax.random.split(key)
+  pending_B, seq_BS, num_generated_B, done_B = first_token(
+      first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, sampling)
+  state = _ARState(seq_BS, pending_B, num_generated_B, done_B, cache, key, jnp.int32(0))
+
+  def cond(s: _ARState):
+    return jnp.any(~s.done_B) & (s.step < max_new_tokens)
+
+  def body(s: _ARState):
+    key, step_key = jax.random.split(s.key)
+    positions_B1 = s.cache.length_B[:, None]
+    logits_B1V, _, cache = model.apply(params, s.pending_B[:, None], positions_B1, s.cache)
+    active_B = (~s.done_B).astype(jnp.int32)
+    cache = cache.with_length(cache.length_B + active_B)  # done rows stay where they are
+    next_B = sample(step_key, logits_B1V[:, 0], sampling)
+    count_B, done_B = tokens_to_emit(next_B[:, None], jnp.ones_like(active_B), s.num_generated_B,
+                                     budget_B, s.done_B, eos_id)
+    seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, next_B[:, None], count_B)
+    pending_B = jnp.where(s.done_B, s.pending_B, next_B)
+    return _ARState(seq_BS, pending_B, s.num_generated_B + count_B, done_B, cache, key,
+                    s.step + 1)
+
+  state = jax.lax.while_loop(cond, body, state)
+  tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B, max_new_tokens,
+                               pad_id)
+  return GenerationOutput(tokens_BN, state.num_generated_B, None, state.seq_BS), state.cache
+
+
+def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max_new_tokens: int,
+             sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
+             key: jax.Array | None = None, budgets_B=None, pad_id: int = 0,
+             cache_len: int | None = None, return_cache: bool = False):
+  """Autoregressive generation for a padded batch of prompts, in one jitted call.
+
+  Args:
+    prompt_tokens_BP: [B, P] int prompts, left-aligned and right-padded (see pad_prompts).
+    prompt_lengths_B: [B] the number of real tokens in each row.
+    max_new_tokens: static size of the output buffer (and default per-row budget).
+    budgets_B: optional [B] per-row budgets <= max_new_tokens.
+    eos_id: a row stops after generating this token (kept in the output).
+    key: PRNG key, required when sampling.
+  Returns GenerationOutput (and the final KVCache with `return_cache=True`).
+  """
+  tokens, lengths, cache_len = check_generation_args(
+      model, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
+      cache_len=cache_len)
+  budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
+  if key is None:
+    if not sampling.is_greedy:
+      raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    key = jax.random.key(0)
+  eos = NO_EOS if eos_id is None else int(eos_id)
+  out, cache = _generate_jit(model, params, tokens, lengths, budgets, jnp.int32(eos),
+                             jnp.int32(pad_id), key, max_new_tokens=int(max_new_tokens),
+                             cache_len=cache_len, sampling=sampling)
+  return (out, cache) if return_cache else out

@@ -1,0 +1,137 @@
+"""Speculative generation: prefill, then a `lax.while_loop` over rounds, inside one `jax.jit`.
+
+Each round, with fixed shapes whatever each row accepts:
+  1. draft:  the drafter proposes gamma tokens per row;
+  2. verify: one target pass over [pending, d_1..d_gamma] at positions L..L+gamma;
+  3. accept: the verifier returns num_accepted [B] and the next token [B];
+  4. commit: write the kept tokens into the buffer at each row's offset (stopping at EOS
+     and at the row's budget), move the target cache length to L + accepted + 1 (the rest
+     is stale and masked), let the drafter roll back, update metrics.
+Rows that are done keep their shape and write nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
+from spec_jax.generate import (NO_EOS, CausalLM, GenerationOutput, budgets_array,
+                               check_generation_args, first_token, gather_generated,
+                               initial_buffer, prefill, tokens_to_emit, write_tokens)
+from spec_jax.kv_cache import KVCache
+from spec_jax.metrics import SpecMetrics
+from spec_jax.sampling import SamplingConfig
+from spec_jax.verify import verify
+
+
+@struct.dataclass
+class SpecState:
+  seq_BS: jax.Array
+  pending_B: jax.Array
+  num_generated_B: jax.Array
+  done_B: jax.Array
+  cache: KVCache
+  draft_state: object
+  key: jax.Array
+  metrics: SpecMetrics
+
+
+def candidates(draft_tokens_BG, num_accepted_B, next_B):
+  """[B, gamma+1]: the accepted drafts, then the next token, then zeros."""
+  batch, gamma = draft_tokens_BG.shape
+  j_K = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+  drafts_BK = jnp.concatenate([draft_tokens_BG, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  n_B1 = num_accepted_B[:, None]
+  return jnp.where(j_K < n_B1, drafts_BK, jnp.where(j_K == n_B1, next_B[:, None], 0))
+
+
+def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: SamplingConfig,
+                      params, draft_params, lengths_B, budget_B, eos_id, s: SpecState) -> SpecState:
+  key, draft_key, verify_key = jax.random.split(s.key, 3)
+  length_B = s.cache.length_B
+  ctx = DraftContext(s.seq_BS, length_B, s.pending_B)
+  draft_tokens_BG, draft_probs_BGV, draft_state = drafter.propose(
+      draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
+
+  block_BG1 = jnp.concatenate([s.pending_B[:, None], draft_tokens_BG], axis=1)
+  positions_BG1 = length_B[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+  logits_BG1V, hidden_BG1D, cache = target.apply(params, block_BG1, positions_BG1, s.cache)
+  num_accepted_B, next_B = verify(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
+                                  verify_key)
+
+  new_BK = candidates(draft_tokens_BG, num_accepted_B, next_B)
+  count_B, done_B = tokens_to_emit(new_BK, num_accepted_B + 1, s.num_generated_B, budget_B,
+                                   s.done_B, eos_id)
+  seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, new_BK, count_B)
+  # The target now holds pending + drafts up to the last kept one (a row cut short by its
+  # budget or an EOS keeps only what it emitted); the next token is the new pending one.
+  kept_in_cache_B = jnp.where(count_B > 0, jnp.minimum(count_B, num_accepted_B) + 1, 0)
+  new_length_B = length_B + kept_in_cache_B
+  cache = cache.with_length(new_length_B)
+  outcome = RoundOutcome(ctx, draft_tokens_BG, num_accepted_B, next_B, new_length_B, hidden_BG1D)
+  draft_state = drafter.commit(draft_params, draft_state, outcome)
+  last_kept_B = jnp.take_along_axis(new_BK, jnp.maximum(count_B - 1, 0)[:, None], axis=1)[:, 0]
+  pending_B = jnp.where(count_B > 0, last_kept_B, s.pending_B)
+  metrics = s.metrics.update(~s.done_B, num_accepted_B, count_B)
+  return SpecState(seq_BS, pending_B, s.num_generated_B + count_B, done_B, cache, draft_state,
+                   key, metrics)
+
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "gamma", "max_new_tokens",
+                                             "cache_len", "sampling"))
+def _speculative_jit(target, drafter, params, draft_params, tokens_BP, lengths_B, budget_B,
+                     eos_id, pad_id, key, *, gamma: int, max_new_tokens: int, cache_len: int,
+                     sampling: SamplingConfig):
+  batch = tokens_BP.shape[0]
+  seq_BS = initial_buffer(tokens_BP, cache_len)
+  last_logits_BV, hidden_BPD, cache = prefill(target, params, tokens_BP, lengths_B, cache_len)
+  key, first_key = jax.random.split(key)
+  pending_B, seq_BS, num_generated_B, done_B = first_token(
+      first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, sampling)
+  draft_state = drafter.init(draft_params, PromptInfo(tokens_BP, lengths_B, cache_len, hidden_BPD))
+  metrics = SpecMetrics.zeros(batch, gamma).replace(tokens_B=num_generated_B)
+  state = SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics)
+
+  round_fn = functools.partial(speculative_round, target, drafter, gamma, sampling, params,
+                               draft_params, lengths_B, budget_B, eos_id)
+  # every round emits at least one token per active row, so max_new_tokens rounds suffice
+  state = jax.lax.while_loop(
+      lambda s: jnp.any(~s.done_B) & (s.metrics.rounds < max_new_tokens), round_fn, state)
+  tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B, max_new_tokens,
+                               pad_id)
+  out = GenerationOutput(tokens_BN, state.num_generated_B, state.metrics, state.seq_BS)
+  return out, state.cache, state.draft_state
+
+
+def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_params,
+                         prompt_tokens_BP, prompt_lengths_B, *, gamma: int, max_new_tokens: int,
+                         sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
+                         key: jax.Array | None = None, budgets_B=None, pad_id: int = 0,
+                         cache_len: int | None = None, return_state: bool = False):
+  """Speculative generation; same arguments and output as `generate`, plus the drafter.
+
+  The output's `metrics` is a SpecMetrics (see spec_jax.metrics.summarize). With
+  `return_state=True` also returns the final target cache and drafter state.
+  """
+  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+    raise ValueError(f"gamma (draft length) must be an integer >= 1, got {gamma}")
+  gamma = int(gamma)
+  drafter.check(target, gamma)
+  tokens, lengths, cache_len = check_generation_args(
+      target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
+      extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
+  budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
+  if key is None:
+    if not sampling.is_greedy:
+      raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    key = jax.random.key(0)
+  eos = NO_EOS if eos_id is None else int(eos_id)
+  out, cache, draft_state = _speculative_jit(
+      target, drafter, params, draft_params, tokens, lengths, budgets, jnp.int32(eos),
+      jnp.int32(pad_id), key, gamma=gamma, max_new_tokens=int(max_new_tokens),
+      cache_len=cache_len, sampling=sampling)
+  return (out, cache, draft_state) if return_state else out
