@@ -177,7 +177,9 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.config = cfg
-    self.embed = nnx.Param(_normal(rngs.params(), (cfg.vocab_size, cfg.dim), cfg.jnp_dtype, 1.0))
+    # std dim**-0.5 keeps a tied head's logits near unit scale at init
+    self.embed = nnx.Param(_normal(rngs.params(), (cfg.vocab_size, cfg.dim), cfg.jnp_dtype,
+                                   cfg.dim ** -0.5))
     self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.jnp_dtype)
     self.lm_head = (None if cfg.tie_embeddings else

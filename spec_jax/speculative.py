@@ -50,7 +50,8 @@ def candidates(draft_tokens_BG, num_accepted_B, next_B):
 
 
 def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: SamplingConfig,
-                      params, draft_params, lengths_B, budget_B, eos_id, s: SpecState) -> SpecState:
+                      verifier, params, draft_params, lengths_B, budget_B, eos_id,
+                      s: SpecState) -> SpecState:
   key, draft_key, verify_key = jax.random.split(s.key, 3)
   length_B = s.cache.length_B
   ctx = DraftContext(s.seq_BS, length_B, s.pending_B)
@@ -60,7 +61,7 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
   block_BG1 = jnp.concatenate([s.pending_B[:, None], draft_tokens_BG], axis=1)
   positions_BG1 = length_B[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
   logits_BG1V, hidden_BG1D, cache = target.apply(params, block_BG1, positions_BG1, s.cache)
-  num_accepted_B, next_B = verify(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
+  num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
                                   verify_key)
 
   new_BK = candidates(draft_tokens_BG, num_accepted_B, next_B)
@@ -82,10 +83,10 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "gamma", "max_new_tokens",
-                                             "cache_len", "sampling"))
+                                             "cache_len", "sampling", "verifier"))
 def _speculative_jit(target, drafter, params, draft_params, tokens_BP, lengths_B, budget_B,
                      eos_id, pad_id, key, *, gamma: int, max_new_tokens: int, cache_len: int,
-                     sampling: SamplingConfig):
+                     sampling: SamplingConfig, verifier):
   batch = tokens_BP.shape[0]
   seq_BS = initial_buffer(tokens_BP, cache_len)
   last_logits_BV, hidden_BPD, cache = prefill(target, params, tokens_BP, lengths_B, cache_len)
@@ -96,8 +97,8 @@ def _speculative_jit(target, drafter, params, draft_params, tokens_BP, lengths_B
   metrics = SpecMetrics.zeros(batch, gamma).replace(tokens_B=num_generated_B)
   state = SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics)
 
-  round_fn = functools.partial(speculative_round, target, drafter, gamma, sampling, params,
-                               draft_params, lengths_B, budget_B, eos_id)
+  round_fn = functools.partial(speculative_round, target, drafter, gamma, sampling, verifier,
+                               params, draft_params, lengths_B, budget_B, eos_id)
   # every round emits at least one token per active row, so max_new_tokens rounds suffice
   state = jax.lax.while_loop(
       lambda s: jnp.any(~s.done_B) & (s.metrics.rounds < max_new_tokens), round_fn, state)
@@ -111,11 +112,13 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
                          prompt_tokens_BP, prompt_lengths_B, *, gamma: int, max_new_tokens: int,
                          sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
                          key: jax.Array | None = None, budgets_B=None, pad_id: int = 0,
-                         cache_len: int | None = None, return_state: bool = False):
+                         cache_len: int | None = None, return_state: bool = False,
+                         verifier=verify):
   """Speculative generation; same arguments and output as `generate`, plus the drafter.
 
   The output's `metrics` is a SpecMetrics (see spec_jax.metrics.summarize). With
-  `return_state=True` also returns the final target cache and drafter state.
+  `return_state=True` also returns the final target cache and drafter state. `verifier`
+  (static; default `spec_jax.verify.verify`) may be swapped for research on acceptance rules.
   """
   if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
     raise ValueError(f"gamma (draft length) must be an integer >= 1, got {gamma}")
@@ -133,5 +136,5 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
   out, cache, draft_state = _speculative_jit(
       target, drafter, params, draft_params, tokens, lengths, budgets, jnp.int32(eos),
       jnp.int32(pad_id), key, gamma=gamma, max_new_tokens=int(max_new_tokens),
-      cache_len=cache_len, sampling=sampling)
+      cache_len=cache_len, sampling=sampling, verifier=verifier)
   return (out, cache, draft_state) if return_state else out

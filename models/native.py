@@ -1,0 +1,200 @@
+"""spec_jax's own checkpoint format: a folder with `config.json` and an orbax `params/` tree.
+
+    folder/config.json   LlamaConfig fields + {"format": "spec_jax-native", "version": 1}
+    folder/params/       orbax StandardSave of {"embed": ..., "layers": {"0": {...}}, ...}
+
+Params are stored as a nested dict of plain arrays keyed by our dotted parameter names
+(`params_io.flat_names`), so the files do not depend on NNX's State internals. Restore
+builds an abstract target from `model.abstract_params()`, checks the saved shapes against
+it first, and lets orbax read each array straight into its target sharding. No pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from models.llama import LlamaConfig, LlamaModel
+from models.params_io import CheckpointError, flat_names, path_to_name
+
+FORMAT = "spec_jax-native"
+VERSION = 1
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+
+# a Sharding for every leaf, a function abstract-leaf -> Sharding, or a pytree of Shardings
+ShardingSpec = Any
+
+
+def is_native(folder: str) -> bool:
+  """True when `folder/config.json` carries our format marker."""
+  try:
+    with open(os.path.join(folder, CONFIG_FILE)) as f:
+      return json.load(f).get("format") == FORMAT
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+  """{"a.b.c": x} -> {"a": {"b": {"c": x}}}."""
+  tree: dict[str, Any] = {}
+  for name, leaf in flat.items():
+    *parents, last = name.split(".")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[last] = leaf
+  return tree
+
+
+def _flatten(tree) -> dict[str, Any]:
+  return {path_to_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _flat_params(model: LlamaModel, params) -> dict[str, jax.Array]:
+  flat = _flatten(params)
+  expected = flat_names(model)
+  if set(flat) != set(expected):
+    raise ValueError("save_native: params do not match the model (quantized params must be "
+                     f"dequantized first): missing {sorted(set(expected) - set(flat))[:8]}, "
+                     f"unexpected {sorted(set(flat) - set(expected))[:8]}")
+  for name, abstract in expected.items():
+    if tuple(flat[name].shape) != tuple(abstract.shape):
+      raise ValueError(f"save_native: parameter {name} has shape {tuple(flat[name].shape)}, "
+                       f"the config implies {tuple(abstract.shape)}")
+  return flat
+
+
+def save_native(folder: str, model: LlamaModel, params, *, overwrite: bool = False) -> None:
+  """Writes `model.config` and `params` to `folder` in the native format."""
+  folder = os.path.abspath(folder)
+  params_dir = os.path.join(folder, PARAMS_DIR)
+  if os.path.exists(params_dir) and not overwrite:
+    raise FileExistsError(f"{params_dir} exists; pass overwrite=True to replace it")
+  tree = _nest(_flat_params(model, params))
+  os.makedirs(folder, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(params_dir, tree, force=overwrite)
+    ckptr.wait_until_finished()
+  config = json.loads(model.config.to_json())
+  config.update(format=FORMAT, version=VERSION)
+  tmp = os.path.join(folder, CONFIG_FILE + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+  os.replace(tmp, os.path.join(folder, CONFIG_FILE))
+
+
+def read_config(folder: str) -> LlamaConfig:
+  """Reads and validates `folder/config.json` of a native checkpoint."""
+  path = os.path.join(folder, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise CheckpointError(f"{folder}: no {CONFIG_FILE}; not a spec_jax-native checkpoint")
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{path}: unreadable JSON: {e}") from e
+  if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+    found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+    raise CheckpointError(f"{path}: not a spec_jax-native config (format={found!r}, "
+                          f"expected {FORMAT!r})")
+  if raw.get("version") != VERSION:
+    raise CheckpointError(f"{path}: unsupported spec_jax-native version {raw.get('version')!r} "
+                          f"(this code reads version {VERSION})")
+  fields = {k: v for k, v in raw.items() if k not in ("format", "version")}
+  try:
+    return LlamaConfig.from_dict(fields)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{path}: invalid LlamaConfig: {e}") from e
+
+
+def _brief(e: Exception, limit: int = 300) -> str:
+  text = str(e)  # TensorStore errors embed whole specs
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _saved_shapes(params_dir: str) -> dict[str, tuple[int, ...]]:
+  """{name: shape} from the orbax metadata, without reading any array data."""
+  if not os.path.isdir(params_dir):
+    raise CheckpointError(f"{params_dir}: missing params directory")
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      meta = ckptr.metadata(params_dir)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    shapes = {name: tuple(m.shape) for name, m in _flatten(tree).items()}
+  except Exception as e:  # orbax raises assorted types for damaged checkpoints
+    raise CheckpointError(f"{params_dir}: unreadable orbax metadata, missing or corrupt "
+                          f"checkpoint ({type(e).__name__}: {_brief(e)})") from e
+  if not shapes:
+    raise CheckpointError(f"{params_dir}: orbax metadata lists no arrays; corrupt checkpoint")
+  return shapes
+
+
+def _check_shapes(model: LlamaModel, saved: dict[str, tuple[int, ...]], source: str) -> None:
+  expected = flat_names(model)
+  missing = sorted(set(expected) - set(saved))
+  extra = sorted(set(saved) - set(expected))
+  if missing or extra:
+    raise CheckpointError(f"{source}: saved parameters do not match config.json: missing "
+                          f"{missing[:8]}, unexpected {extra[:8]}")
+  for name, abstract in expected.items():
+    if saved[name] != tuple(abstract.shape):
+      raise CheckpointError(f"{source}: parameter {name} was saved with shape {saved[name]}, "
+                            f"config.json implies {tuple(abstract.shape)}")
+
+
+def _shardings(abstract: dict[str, jax.ShapeDtypeStruct], sharding: ShardingSpec | None):
+  """{name: Sharding} from None (default device), one Sharding, a function, or a pytree."""
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  if isinstance(sharding, jax.sharding.Sharding):
+    return {name: sharding for name in abstract}
+  if callable(sharding):
+    return {name: sharding(leaf) for name, leaf in abstract.items()}
+  leaves = jax.tree_util.tree_leaves_with_path(
+      sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  given = {path_to_name(p): s for p, s in leaves}
+  if set(given) != set(abstract):
+    raise ValueError(f"sharding pytree does not match params: missing "
+                     f"{sorted(set(abstract) - set(given))[:8]}, unexpected "
+                     f"{sorted(set(given) - set(abstract))[:8]}")
+  return given
+
+
+def load_native(folder: str, *, dtype: str | None = None,
+                sharding: ShardingSpec | None = None) -> tuple[LlamaModel, Any]:
+  """Reads a native checkpoint -> (LlamaModel, params as an nnx.State).
+
+  `dtype` (default: the saved one) casts parameters on restore. `sharding` is a Sharding
+  for every leaf, a function abstract-leaf -> Sharding, or a pytree of Shardings shaped
+  like the params; each array is read directly into its sharding.
+  """
+  folder = os.path.abspath(folder)
+  cfg = read_config(folder)
+  if dtype is not None:
+    cfg = dataclasses.replace(cfg, dtype=str(jnp.dtype(dtype)))
+  model = LlamaModel(cfg)
+  params_dir = os.path.join(folder, PARAMS_DIR)
+  _check_shapes(model, _saved_shapes(params_dir), folder)
+
+  abstract_state = model.abstract_params()
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+  abstract = {path_to_name(p): leaf for p, leaf in leaves_with_path}
+  shardings = _shardings(abstract, sharding)
+  target = _nest({name: jax.ShapeDtypeStruct(leaf.shape, cfg.jnp_dtype, sharding=shardings[name])
+                  for name, leaf in abstract.items()})
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      restored = _flatten(ckptr.restore(params_dir, target))
+  except Exception as e:  # orbax raises assorted types for damaged checkpoints
+    raise CheckpointError(f"{params_dir}: failed to restore params, corrupt checkpoint? "
+                          f"({type(e).__name__}: {_brief(e)})") from e
+  return model, jax.tree_util.tree_unflatten(
+      treedef, [restored[path_to_name(p)] for p, _ in leaves_with_path])
