@@ -12,6 +12,7 @@ Rows that are done keep their shape and write nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -82,30 +83,79 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
                    key, metrics)
 
 
-@functools.partial(jax.jit, static_argnames=("target", "drafter", "gamma", "max_new_tokens",
-                                             "cache_len", "sampling", "verifier"))
-def _speculative_jit(target, drafter, params, draft_params, tokens_BP, lengths_B, budget_B,
-                     eos_id, pad_id, key, *, gamma: int, max_new_tokens: int, cache_len: int,
-                     sampling: SamplingConfig, verifier):
-  batch = tokens_BP.shape[0]
-  seq_BS = initial_buffer(tokens_BP, cache_len)
-  last_logits_BV, hidden_BPD, cache = prefill(target, params, tokens_BP, lengths_B, cache_len)
-  key, first_key = jax.random.split(key)
-  pending_B, seq_BS, num_generated_B, done_B = first_token(
-      first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, sampling)
-  draft_state = drafter.init(draft_params, PromptInfo(tokens_BP, lengths_B, cache_len, hidden_BPD))
-  metrics = SpecMetrics.zeros(batch, gamma).replace(tokens_B=num_generated_B)
-  state = SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics)
+@dataclasses.dataclass(frozen=True)
+class SpeculativeProgram:
+  """Everything static about one speculative generation; hashable, so a jit static argument.
 
-  round_fn = functools.partial(speculative_round, target, drafter, gamma, sampling, verifier,
-                               params, draft_params, lengths_B, budget_B, eos_id)
-  # every round emits at least one token per active row, so max_new_tokens rounds suffice
-  state = jax.lax.while_loop(
-      lambda s: jnp.any(~s.done_B) & (s.metrics.rounds < max_new_tokens), round_fn, state)
-  tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B, max_new_tokens,
-                               pad_id)
-  out = GenerationOutput(tokens_BN, state.num_generated_B, state.metrics, state.seq_BS)
-  return out, state.cache, state.draft_state
+  `init` (prefill) and `run` (rounds up to a limit) are separate so that streaming can run
+  the loop in chunks of rounds; `_speculative_jit` runs init, run and finish in one jit.
+  """
+  target: CausalLM
+  drafter: Drafter
+  gamma: int
+  max_new_tokens: int
+  cache_len: int
+  sampling: SamplingConfig
+  verifier: object = verify
+
+  def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key) -> SpecState:
+    seq_BS = initial_buffer(tokens_BP, self.cache_len)
+    last_logits_BV, hidden_BPD, cache = prefill(self.target, params, tokens_BP, lengths_B,
+                                                self.cache_len)
+    key, first_key = jax.random.split(key)
+    pending_B, seq_BS, num_generated_B, done_B = first_token(
+        first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, self.sampling)
+    draft_state = self.drafter.init(draft_params, PromptInfo(tokens_BP, lengths_B,
+                                                             self.cache_len, hidden_BPD))
+    metrics = SpecMetrics.zeros(tokens_BP.shape[0], self.gamma).replace(tokens_B=num_generated_B)
+    return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics)
+
+  def run(self, params, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
+          round_limit) -> SpecState:
+    """Runs rounds until every row is done or `round_limit` rounds have run in all."""
+    round_fn = functools.partial(speculative_round, self.target, self.drafter, self.gamma,
+                                 self.sampling, self.verifier, params, draft_params, lengths_B,
+                                 budget_B, eos_id)
+    # every round emits at least one token per active row: max_new_tokens rounds suffice
+    limit = jnp.minimum(round_limit, self.max_new_tokens)
+    return jax.lax.while_loop(lambda s: jnp.any(~s.done_B) & (s.metrics.rounds < limit),
+                              round_fn, state)
+
+  def finish(self, state: SpecState, lengths_B, pad_id) -> GenerationOutput:
+    tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B,
+                                 self.max_new_tokens, pad_id)
+    return GenerationOutput(tokens_BN, state.num_generated_B, state.metrics, state.seq_BS)
+
+
+@functools.partial(jax.jit, static_argnames=("program",))
+def _speculative_jit(program: SpeculativeProgram, params, draft_params, tokens_BP, lengths_B,
+                     budget_B, eos_id, pad_id, key):
+  state = program.init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
+  state = program.run(params, draft_params, lengths_B, budget_B, eos_id, state,
+                      program.max_new_tokens)
+  return program.finish(state, lengths_B, pad_id), state.cache, state.draft_state
+
+
+def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths_B, *,
+            gamma: int, max_new_tokens: int, sampling: SamplingConfig, eos_id, key, budgets_B,
+            pad_id: int, cache_len: int | None, verifier) -> tuple[SpeculativeProgram, tuple]:
+  """Validates everything on the host -> (program, its array arguments after the params)."""
+  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+    raise ValueError(f"gamma (draft length) must be an integer >= 1, got {gamma}")
+  gamma = int(gamma)
+  drafter.check(target, gamma)
+  tokens, lengths, cache_len = check_generation_args(
+      target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
+      extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
+  budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
+  if key is None:
+    if not sampling.is_greedy:
+      raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    key = jax.random.key(0)
+  eos = NO_EOS if eos_id is None else int(eos_id)
+  program = SpeculativeProgram(target, drafter, gamma, int(max_new_tokens), cache_len, sampling,
+                               verifier)
+  return program, (tokens, lengths, budgets, jnp.int32(eos), jnp.int32(pad_id), key)
 
 
 def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_params,
@@ -120,21 +170,9 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
   `return_state=True` also returns the final target cache and drafter state. `verifier`
   (static; default `spec_jax.verify.verify`) may be swapped for research on acceptance rules.
   """
-  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
-    raise ValueError(f"gamma (draft length) must be an integer >= 1, got {gamma}")
-  gamma = int(gamma)
-  drafter.check(target, gamma)
-  tokens, lengths, cache_len = check_generation_args(
-      target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
-      extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
-  budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
-  if key is None:
-    if not sampling.is_greedy:
-      raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    key = jax.random.key(0)
-  eos = NO_EOS if eos_id is None else int(eos_id)
-  out, cache, draft_state = _speculative_jit(
-      target, drafter, params, draft_params, tokens, lengths, budgets, jnp.int32(eos),
-      jnp.int32(pad_id), key, gamma=gamma, max_new_tokens=int(max_new_tokens),
-      cache_len=cache_len, sampling=sampling, verifier=verifier)
+  program, args = prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B, gamma=gamma,
+                          max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+                          key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
+                          verifier=verifier)
+  out, cache, draft_state = _speculative_jit(program, params, draft_params, *args)
   return (out, cache, draft_state) if return_state else out

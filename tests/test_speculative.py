@@ -15,7 +15,9 @@ from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
 from spec_jax.sampling import SamplingConfig, sample_from_probs, warped_probs
-from spec_jax.speculative import _speculative_jit, speculative_generate
+from spec_jax.speculative import _speculative_jit, prepare, speculative_generate
+from spec_jax.streaming import speculative_chunks
+from spec_jax.verify import verify
 
 SIGNIFICANCE = 1e-3  # fixed before running: a correct sampler fails 1 run in 1000
 # K/V entries computed in blocks of other shapes than a fresh prefill's round differently:
@@ -109,14 +111,29 @@ def test_one_compilation_and_no_host_callbacks():
   speculative_generate(model, params, drafter, params,
                        *pad_prompts([[9, 8], [7, 6, 5, 4, 3]], width=6), eos_id=2, **args)
   assert _speculative_jit._cache_size() == compiled
-  tokens, lengths = pad_prompts([[1, 2, 3]], width=6)
-  hlo = _speculative_jit.lower(
-      model, drafter, params, params, tokens, lengths, np.array([8], np.int32), jnp.int32(-1),
-      jnp.int32(0), jax.random.key(0), gamma=3, max_new_tokens=8, cache_len=20,
-      sampling=SamplingConfig(1.0), verifier=speculative_generate.__kwdefaults__["verifier"],
-  ).as_text()
+  program, arrays = prepare(model, drafter, *pad_prompts([[1, 2, 3]], width=6), gamma=3,
+                            max_new_tokens=8, sampling=SamplingConfig(1.0), eos_id=None,
+                            key=jax.random.key(0), budgets_B=None, pad_id=0, cache_len=None,
+                            verifier=verify)
+  hlo = _speculative_jit.lower(program, params, params, *arrays).as_text()
   assert "while" in hlo
   assert "callback" not in hlo.lower() and "outfeed" not in hlo.lower()
+
+
+def test_streaming_in_chunks_gives_the_same_result(stories, story_prompts):
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  kw = dict(gamma=3, max_new_tokens=30, sampling=SamplingConfig(0.9, top_k=20),
+            key=jax.random.key(5))
+  whole = speculative_generate(model, params, DraftModelDrafter(model), perturbed(params, 0.15),
+                               *prompts, **kw)
+  chunks = list(speculative_chunks(model, params, DraftModelDrafter(model),
+                                   perturbed(params, 0.15), *prompts, rounds_per_chunk=3, **kw))
+  assert len(chunks) > 2
+  assert np.array_equal(chunks[-1].tokens, whole.tokens)
+  assert np.array_equal(chunks[-1].num_tokens, whole.num_tokens)
+  grown = [np.asarray(c.num_tokens) for c in chunks]
+  assert all((a <= b).all() for a, b in zip(grown, grown[1:]))
 
 
 def test_bad_input(stories):

@@ -1,0 +1,172 @@
+"""Generate text with speculative decoding (or plain autoregressive decoding).
+
+  python scripts/generate.py "def fibonacci(n):"                  # built-in pair, speculative
+  python scripts/generate.py "def f(x):" --compare                # also autoregressive: speed-up
+  python scripts/generate.py "Once upon a time" --model ../shared/models/stories260K/stories260K.bin \
+      --draft prompt_lookup --gamma 4 --temperature 0.8 --top-p 0.9
+
+Thin by design: argument parsing and printing around library calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from spec_jax.generate import generate, pad_prompts
+from spec_jax.metrics import summarize
+from spec_jax.sampling import SamplingConfig
+from spec_jax.speculative import speculative_generate
+
+DRAFT_KINDS = ("model", "prompt_lookup", "layer_skip", "quantized", "lookup+model", "none")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("prompts", nargs="+", help="one or more prompts (a batch)")
+  p.add_argument("--model", default="builtin",
+                 help="'builtin', a llama2.c .bin, an HF folder (config.json + safetensors) "
+                      "or a spec_jax native folder")
+  p.add_argument("--tokenizer", default=None, help="tok*.bin or tokenizer.json (default: beside the model)")
+  p.add_argument("--draft", default=None, choices=DRAFT_KINDS,
+                 help="drafter (default: 'model' for the built-in pair, else 'prompt_lookup')")
+  p.add_argument("--draft-model", default=None, help="checkpoint of the draft model for --draft model")
+  p.add_argument("--draft-layers", type=int, default=None, help="layers kept by --draft layer_skip")
+  p.add_argument("--gamma", type=int, default=4, help="drafted tokens per round")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-eos", action="store_true", help="ignore the end-of-sequence token")
+  p.add_argument("--compare", action="store_true",
+                 help="also run autoregressive decoding; print the speed-up and whether outputs match")
+  p.add_argument("--stream", action="store_true", help="print text as it is produced")
+  p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+  return p.parse_args(argv)
+
+
+def load_target_and_tokenizer(args):
+  """-> (model, params, tokenizer, builtin draft or None)."""
+  from models.tokenizer import check_vocab_compatible, load_tokenizer
+  if args.model == "builtin":
+    from models.builtin import load_builtin
+    target, params, draft, draft_params, tokenizer = load_builtin()
+    return target, params, tokenizer, (draft, draft_params)
+  from models.loading import find_tokenizer_path, load_model
+  target, params = load_model(args.model)
+  tok_path = args.tokenizer or find_tokenizer_path(args.model)
+  if tok_path is None:
+    raise SystemExit(f"no tokenizer found beside {args.model}; pass --tokenizer")
+  tokenizer = load_tokenizer(tok_path)
+  check_vocab_compatible(tokenizer, target.vocab_size)
+  return target, params, tokenizer, None
+
+
+def make_drafter(args, target, params, tokenizer, builtin_draft):
+  kind = args.draft or ("model" if builtin_draft is not None else "prompt_lookup")
+  if kind == "none":
+    return kind, None, None
+  draft_model = draft_params = None
+  if kind in ("model", "lookup+model"):
+    if args.draft_model:
+      from models.loading import find_tokenizer_path, load_model
+      from models.tokenizer import check_same_tokenizer, load_tokenizer
+      draft_model, draft_params = load_model(args.draft_model)
+      draft_tok = find_tokenizer_path(args.draft_model)
+      if draft_tok is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
+    elif builtin_draft is not None:
+      draft_model, draft_params = builtin_draft
+    else:
+      raise SystemExit(f"--draft {kind} needs --draft-model PATH")
+  from spec_jax.drafters.factory import make_drafter as factory
+  opts = {"draft_model": draft_model, "draft_params": draft_params}
+  if args.draft_layers is not None:
+    opts["num_layers"] = args.draft_layers
+  drafter, dparams = factory({"model": "draft_model", "lookup+model": "lookup+draft_model"}.get(kind, kind),
+                             target, params, **opts)
+  return kind, drafter, dparams
+
+
+def timed(fn):
+  start = time.perf_counter()
+  out = fn()
+  jax.block_until_ready(out.tokens)
+  return out, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+  target, params, tokenizer, builtin_draft = load_target_and_tokenizer(args)
+  kind, drafter, draft_params = make_drafter(args, target, params, tokenizer, builtin_draft)
+  prompts = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in args.prompts]
+  tokens, lengths = pad_prompts(prompts)
+  eos = None if args.no_eos else tokenizer.eos_id
+  common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=eos,
+                key=jax.random.key(args.seed))
+
+  def run_spec():
+    return speculative_generate(target, params, drafter, draft_params, tokens, lengths,
+                                gamma=args.gamma, **common)
+
+  def run_ar():
+    return generate(target, params, tokens, lengths, **common)
+
+  main_run = run_ar if drafter is None else run_spec
+  if args.stream:
+    if drafter is None:
+      raise SystemExit("--stream runs the speculative loop in chunks: it needs a drafter")
+    from spec_jax.streaming import speculative_chunks, stream_text
+    chunks = speculative_chunks(target, params, drafter, draft_params, tokens, lengths,
+                                gamma=args.gamma, **common)
+    for piece in stream_text(chunks, tokenizer, prompts):
+      print(piece, end="", flush=True)
+    print()
+  out, first_s = timed(main_run)  # compiles
+  out, run_s = timed(main_run)
+  n_tokens = int(np.asarray(out.num_tokens).sum())
+  texts = [tokenizer.decode(list(p) + np.asarray(out.tokens[r, :int(out.num_tokens[r])]).tolist())
+           for r, p in enumerate(prompts)]
+  report = {"drafter": kind if drafter is not None else "autoregressive", "gamma": args.gamma,
+            "tokens": n_tokens, "seconds": run_s, "compile_seconds": max(first_s - run_s, 0.0),
+            "tokens_per_s": n_tokens / run_s}
+  if out.metrics is not None:
+    m = summarize(out.metrics)
+    report.update({k: m[k] for k in ("mean_accepted", "mean_accepted_with_bonus",
+                                      "acceptance_rate", "rounds", "target_calls")})
+  if args.compare and drafter is not None:
+    run_ar()
+    ar, ar_s = timed(run_ar)
+    report["autoregressive_tokens_per_s"] = int(np.asarray(ar.num_tokens).sum()) / ar_s
+    report["speedup"] = ar_s / run_s
+    report["identical_to_autoregressive"] = bool(
+        np.array_equal(ar.tokens, out.tokens) and np.array_equal(ar.num_tokens, out.num_tokens))
+  if args.json:
+    print(json.dumps({"texts": texts, **report}, indent=2))
+    return 0
+  if not args.stream:
+    for text in texts:
+      print(text)
+      print("-" * 40)
+  print(f"[{report['drafter']}] {n_tokens} tokens in {run_s:.3f} s = {report['tokens_per_s']:.1f} tok/s "
+        f"(compile {report['compile_seconds']:.1f} s)")
+  if "mean_accepted" in report:
+    print(f"gamma {args.gamma}: mean accepted {report['mean_accepted']:.2f} drafts/round "
+          f"({report['mean_accepted_with_bonus']:.2f} tokens/round with the bonus), "
+          f"acceptance rate {report['acceptance_rate']:.2%}, {report['target_calls']} target passes")
+  if "speedup" in report:
+    same = "identical" if report["identical_to_autoregressive"] else "DIFFERENT"
+    print(f"autoregressive: {report['autoregressive_tokens_per_s']:.1f} tok/s; "
+          f"speed-up {report['speedup']:.2f}x; outputs {same}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

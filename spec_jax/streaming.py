@@ -1,0 +1,67 @@
+"""Streaming: run the speculative loop in chunks of rounds and yield text as it grows.
+
+The chunks are the same rounds with the same keys as one uninterrupted call, so the final
+tokens are identical to `speculative_generate`'s; only the host sees partial results.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import jax
+import numpy as np
+
+from spec_jax.speculative import SpeculativeProgram, prepare
+from spec_jax.verify import verify
+
+
+@functools.partial(jax.jit, static_argnames=("program",))
+def _init(program: SpeculativeProgram, params, draft_params, tokens, lengths, budgets, eos, key):
+  return program.init(params, draft_params, tokens, lengths, budgets, eos, key)
+
+
+@functools.partial(jax.jit, static_argnames=("program",), donate_argnames=("state",))
+def _run(program: SpeculativeProgram, params, draft_params, lengths, budgets, eos, state,
+         round_limit):
+  return program.run(params, draft_params, lengths, budgets, eos, state, round_limit)
+
+
+@functools.partial(jax.jit, static_argnames=("program",))
+def _finish(program: SpeculativeProgram, state, lengths, pad_id):
+  return program.finish(state, lengths, pad_id)
+
+
+def speculative_chunks(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B,
+                       *, gamma: int, max_new_tokens: int, rounds_per_chunk: int = 4,
+                       sampling=None, eos_id=None, key=None, budgets_B=None, pad_id: int = 0,
+                       cache_len=None, verifier=verify) -> Iterator:
+  """Yields a GenerationOutput after every `rounds_per_chunk` rounds; the last is final."""
+  from spec_jax.sampling import SamplingConfig
+  program, (tokens, lengths, budgets, eos, pad, key) = prepare(
+      target, drafter, prompt_tokens_BP, prompt_lengths_B, gamma=gamma,
+      max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(), eos_id=eos_id,
+      key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len, verifier=verifier)
+  state = _init(program, params, draft_params, tokens, lengths, budgets, eos, key)
+  rounds = 0
+  while True:
+    rounds += rounds_per_chunk
+    state = _run(program, params, draft_params, lengths, budgets, eos, state, rounds)
+    out = _finish(program, state, lengths, pad)
+    yield out
+    if bool(np.asarray(state.done_B).all()) or rounds >= max_new_tokens:
+      return
+
+
+def stream_text(chunks: Iterator, tokenizer, prompts: list[list[int]]) -> Iterator[str]:
+  """Turns successive outputs of row 0 into the newly decoded text of each chunk."""
+  shown = tokenizer.decode(list(prompts[0]))
+  yield shown
+  for out in chunks:
+    n = int(out.num_tokens[0])
+    text = tokenizer.decode(list(prompts[0]) + np.asarray(out.tokens[0, :n]).tolist())
+    # a multi-byte character split across chunks decodes to U+FFFD until complete
+    stable = text.rstrip("\ufffd")
+    if stable.startswith(shown) and len(stable) > len(shown):
+      yield stable[len(shown):]
+      shown = stable
