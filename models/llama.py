@@ -130,14 +130,16 @@ class Attention(nnx.Module):
     self.wv = Linear(d, cfg.n_kv_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
     self.wo = Linear(cfg.n_heads * hd, d, use_bias=False, dtype=dt, rngs=rngs)
 
-  def __call__(self, x_BTD, positions_BT, k_cache_BSKH, v_cache_BSKH, slots_BT, mask_BTS):
+  def __call__(self, x_BTD, positions_BT, k_LBSKH, v_LBSKH, layer: int, slots_BT, mask_BTS):
+    """Writes this layer's new K/V into the stacked caches (in place under jit) and attends."""
     B, T, _ = x_BTD.shape
     K, G, Dh = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     q_BTHD = apply_rope(self.wq(x_BTD).reshape(B, T, K * G, Dh), positions_BT, self.rope_theta)
     k_BTKD = apply_rope(self.wk(x_BTD).reshape(B, T, K, Dh), positions_BT, self.rope_theta)
     v_BTKD = self.wv(x_BTD).reshape(B, T, K, Dh)
-    k_cache_BSKH = write_rows(k_cache_BSKH, slots_BT, k_BTKD)
-    v_cache_BSKH = write_rows(v_cache_BSKH, slots_BT, v_BTKD)
+    k_LBSKH = write_rows(k_LBSKH, slots_BT, k_BTKD, layer)
+    v_LBSKH = write_rows(v_LBSKH, slots_BT, v_BTKD, layer)
+    k_cache_BSKH, v_cache_BSKH = k_LBSKH[layer], v_LBSKH[layer]
     # query head h reads KV head h // G (grouped-query attention)
     q_BTKGD = q_BTHD.reshape(B, T, K, G, Dh)
     scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_cache_BSKH,
@@ -145,7 +147,7 @@ class Attention(nnx.Module):
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_cache_BSKH.dtype)
     out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_cache_BSKH)
-    return self.wo(out_BTKGD.reshape(B, T, K * G * Dh)), k_cache_BSKH, v_cache_BSKH
+    return self.wo(out_BTKGD.reshape(B, T, K * G * Dh)), k_LBSKH, v_LBSKH
 
 
 class MLP(nnx.Module):
@@ -167,9 +169,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dt)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_BT, k_cache, v_cache, slots_BT, mask_BTS):
+  def __call__(self, x_BTD, positions_BT, k_cache, v_cache, layer, slots_BT, mask_BTS):
     attn_out, k_cache, v_cache = self.attn(self.attn_norm(x_BTD), positions_BT, k_cache,
-                                           v_cache, slots_BT, mask_BTS)
+                                           v_cache, layer, slots_BT, mask_BTS)
     x_BTD = x_BTD + attn_out
     return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_cache, v_cache
 
@@ -197,17 +199,13 @@ class Llama(nnx.Module):
   def __call__(self, tokens_BT, positions_BT, cache: KVCache, slots_BT, mask_BTS,
                num_layers: int | None = None):
     x_BTD = self.embed_tokens(tokens_BT)
-    ks, vs = [], []
+    k_LBSKH, v_LBSKH = cache.k_LBSKH, cache.v_LBSKH
     used = len(self.layers) if num_layers is None else num_layers
     for i, layer in enumerate(self.layers[:used]):
-      x_BTD, k, v = layer(x_BTD, positions_BT, cache.k_LBSKH[i], cache.v_LBSKH[i], slots_BT,
-                          mask_BTS)
-      ks.append(k)
-      vs.append(v)
+      x_BTD, k_LBSKH, v_LBSKH = layer(x_BTD, positions_BT, k_LBSKH, v_LBSKH, i, slots_BT,
+                                      mask_BTS)
     hidden_BTD = self.final_norm(x_BTD)
-    k_all = jnp.stack(ks) if used == cache.k_LBSKH.shape[0] else cache.k_LBSKH.at[:used].set(jnp.stack(ks))
-    v_all = jnp.stack(vs) if used == cache.v_LBSKH.shape[0] else cache.v_LBSKH.at[:used].set(jnp.stack(vs))
-    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBSKH=k_all, v_LBSKH=v_all)
+    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH)
 
 
 @functools.lru_cache(maxsize=None)

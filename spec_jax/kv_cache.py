@@ -38,11 +38,16 @@ class KVCache:
     return self.replace(length_B=jnp.asarray(length_B, jnp.int32))
 
 
-def write_rows(cache_BSKH: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Array) -> jax.Array:
-  """Writes values[b, t] into cache[b, slots[b, t]]; slots outside the cache are dropped."""
-  batch_idx = jnp.arange(cache_BSKH.shape[0])[:, None]
-  return cache_BSKH.at[batch_idx, slots_BT].set(values_BTKH.astype(cache_BSKH.dtype),
-                                               mode="drop")
+def write_rows(cache_LBSKH: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Array,
+               layer: int) -> jax.Array:
+  """Writes values[b, t] into cache[layer, b, slots[b, t]]; slots outside are dropped.
+
+  One scatter into the stacked buffer, so under jit (and in a loop carry) it updates in
+  place instead of copying the whole cache every step.
+  """
+  batch_idx = jnp.arange(cache_LBSKH.shape[1])[:, None]
+  return cache_LBSKH.at[layer, batch_idx, slots_BT].set(
+      values_BTKH.astype(cache_LBSKH.dtype), mode="drop")
 
 
 def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
