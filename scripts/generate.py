@@ -23,7 +23,9 @@ from spec_jax.metrics import summarize
 from spec_jax.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 
-DRAFT_KINDS = ("model", "prompt_lookup", "layer_skip", "quantized", "lookup+model", "none")
+from spec_jax.drafters.factory import KINDS as DRAFTER_KINDS, make_drafter as build_drafter
+
+DRAFT_KINDS = DRAFTER_KINDS + ("none",)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "or a spec_jax native folder")
   p.add_argument("--tokenizer", default=None, help="tok*.bin or tokenizer.json (default: beside the model)")
   p.add_argument("--draft", default=None, choices=DRAFT_KINDS,
-                 help="drafter (default: 'model' for the built-in pair, else 'prompt_lookup')")
+                 help="drafter (default: draft_model for the built-in pair, else prompt_lookup; "
+                      "none = autoregressive)")
   p.add_argument("--draft-model", default=None, help="checkpoint of the draft model for --draft model")
   p.add_argument("--draft-layers", type=int, default=None, help="layers kept by --draft layer_skip")
   p.add_argument("--gamma", type=int, default=4, help="drafted tokens per round")
@@ -45,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-eos", action="store_true", help="ignore the end-of-sequence token")
   p.add_argument("--compare", action="store_true",
-                 help="also run autoregressive decoding; print the speed-up and whether outputs match")
+                 help="also run autoregressive decoding; print the speed-up (medians of 5 runs "
+                      "each) and whether the outputs are identical")
   p.add_argument("--stream", action="store_true", help="print text as it is produced")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   return p.parse_args(argv)
@@ -69,11 +73,11 @@ def load_target_and_tokenizer(args):
 
 
 def make_drafter(args, target, params, tokenizer, builtin_draft):
-  kind = args.draft or ("model" if builtin_draft is not None else "prompt_lookup")
+  kind = args.draft or ("draft_model" if builtin_draft is not None else "prompt_lookup")
   if kind == "none":
     return kind, None, None
   draft_model = draft_params = None
-  if kind in ("model", "lookup+model"):
+  if kind.endswith("draft_model"):
     if args.draft_model:
       from models.loading import find_tokenizer_path, load_model
       from models.tokenizer import check_same_tokenizer, load_tokenizer
@@ -85,20 +89,20 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
       draft_model, draft_params = builtin_draft
     else:
       raise SystemExit(f"--draft {kind} needs --draft-model PATH")
-  from spec_jax.drafters.factory import make_drafter as factory
-  opts = {"draft_model": draft_model, "draft_params": draft_params}
-  if args.draft_layers is not None:
-    opts["num_layers"] = args.draft_layers
-  drafter, dparams = factory({"model": "draft_model", "lookup+model": "lookup+draft_model"}.get(kind, kind),
-                             target, params, **opts)
+  drafter, dparams = build_drafter(kind, target, params, draft_model=draft_model,
+                                   draft_params=draft_params, num_layers=args.draft_layers)
   return kind, drafter, dparams
 
 
-def timed(fn):
-  start = time.perf_counter()
-  out = fn()
-  jax.block_until_ready(out.tokens)
-  return out, time.perf_counter() - start
+def timed(fn, repeats: int = 1):
+  """-> (output, median seconds over `repeats` calls)."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(out.tokens)
+    times.append(time.perf_counter() - start)
+  return out, float(np.median(times))
 
 
 def main(argv=None) -> int:
@@ -129,8 +133,9 @@ def main(argv=None) -> int:
     for piece in stream_text(chunks, tokenizer, prompts):
       print(piece, end="", flush=True)
     print()
+  repeats = 5 if args.compare else 1
   out, first_s = timed(main_run)  # compiles
-  out, run_s = timed(main_run)
+  out, run_s = timed(main_run, repeats)
   n_tokens = int(np.asarray(out.num_tokens).sum())
   texts = [tokenizer.decode(list(p) + np.asarray(out.tokens[r, :int(out.num_tokens[r])]).tolist())
            for r, p in enumerate(prompts)]
@@ -143,7 +148,7 @@ def main(argv=None) -> int:
                                       "acceptance_rate", "rounds", "target_calls")})
   if args.compare and drafter is not None:
     run_ar()
-    ar, ar_s = timed(run_ar)
+    ar, ar_s = timed(run_ar, repeats)
     report["autoregressive_tokens_per_s"] = int(np.asarray(ar.num_tokens).sum()) / ar_s
     report["speedup"] = ar_s / run_s
     report["identical_to_autoregressive"] = bool(
