@@ -94,7 +94,7 @@ class Linear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
   def __call__(self, x):
-    y = dense(x, self.kernel[...])
+    y = dense(x, self.kernel.get_value())  # get_value: the kernel may be a QuantizedArray pytree
     return y + self.bias[...] if self.bias is not None else y
 
 

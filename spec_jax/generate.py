@@ -128,7 +128,9 @@ def write_tokens(seq_BS, start_B, new_BK, count_B):
   j_K = jnp.arange(new_BK.shape[1], dtype=jnp.int32)
   slots_BK = jnp.where(j_K[None, :] < count_B[:, None], start_B[:, None] + j_K[None, :],
                        seq_BS.shape[1])  # out of range -> dropped
-  return seq_BS.at[jnp.arange(seq_BS.shape[0])[:, None], slots_BK].set(new_BK, mode="drop")
+  # vmap over rows: a batched scatter, local to each shard when the batch is sharded
+  return jax.vmap(lambda s_S, i_K, v_K: s_S.at[i_K].set(v_K, mode="drop"))(seq_BS, slots_BK,
+                                                                             new_BK)
 
 
 def tokens_to_emit(new_BK, num_new_B, num_generated_B, budget_B, done_B, eos_id):

@@ -45,9 +45,11 @@ def write_rows(cache_LBSKH: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Arr
   One scatter into the stacked buffer, so under jit (and in a loop carry) it updates in
   place instead of copying the whole cache every step.
   """
-  batch_idx = jnp.arange(cache_LBSKH.shape[1])[:, None]
-  return cache_LBSKH.at[layer, batch_idx, slots_BT].set(
-      values_BTKH.astype(cache_LBSKH.dtype), mode="drop")
+  def write_row(cache_LSKH, slots_T, values_TKH):
+    return cache_LSKH.at[layer, slots_T].set(values_TKH.astype(cache_LSKH.dtype), mode="drop")
+  # vmap over rows: a scatter with a batch dimension, local to each shard when the batch is
+  # sharded over `data` (an explicit batch index would gather across shards)
+  return jax.vmap(write_row, in_axes=(1, 0, 0), out_axes=1)(cache_LBSKH, slots_BT, values_BTKH)
 
 
 def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
@@ -60,18 +62,25 @@ def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
   return slots_S[None, None, :] <= positions_BT[:, :, None]
 
 
-def tree_mask(cache_length_B: jax.Array, ancestor_TT: jax.Array, max_len: int) -> jax.Array:
-  """Mask for a token tree written at slots length..length+T-1 (node i at slot length+i).
+def tree_mask(cache_length_B: jax.Array, ancestor_TM: jax.Array, max_len: int) -> jax.Array:
+  """Mask for T queries over a block of M slots written at length..length+M-1.
 
-  Each node sees the committed prefix (slots < length) and its ancestors within the
-  block (ancestor_TT[i, j]: node j is node i or an ancestor of node i).
+  Each query sees the committed prefix (slots < length) and the block slots j with
+  ancestor[i, j] (for a token tree with node i at slot length+i: node j is node i or one
+  of its ancestors). `ancestor` is [T, M] shared by all rows, or [B, T, M] per row
+  (dynamic trees); M may exceed T when only some nodes of the block are queried.
   """
   slots_S = jnp.arange(max_len, dtype=jnp.int32)
   prefix_BS = slots_S[None, :] < cache_length_B[:, None]
-  offset_BS = slots_S[None, :] - cache_length_B[:, None]  # index of the node in slot s
-  num_nodes = ancestor_TT.shape[0]
-  in_block_BS = (offset_BS >= 0) & (offset_BS < num_nodes)
-  node_BS = jnp.clip(offset_BS, 0, num_nodes - 1)
-  # block_BTS[b, i, s] = ancestor[i, node(b, s)] for slots inside the block
-  block_BTS = jnp.take(ancestor_TT, node_BS, axis=1).transpose(1, 0, 2)
+  offset_BS = slots_S[None, :] - cache_length_B[:, None]  # index of the block slot s
+  block_len = ancestor_TM.shape[-1]
+  in_block_BS = (offset_BS >= 0) & (offset_BS < block_len)
+  node_BS = jnp.clip(offset_BS, 0, block_len - 1)
+  if ancestor_TM.ndim == 2:
+    # block_BTS[b, i, s] = ancestor[i, node(b, s)] for slots inside the block
+    block_BTS = jnp.take(ancestor_TM, node_BS, axis=1).transpose(1, 0, 2)
+  else:
+    num_queries = ancestor_TM.shape[1]
+    node_BTS = jnp.broadcast_to(node_BS[:, None, :], (node_BS.shape[0], num_queries, max_len))
+    block_BTS = jnp.take_along_axis(ancestor_TM, node_BTS, axis=2)
   return prefix_BS[:, None, :] | (in_block_BS[:, None, :] & block_BTS)
