@@ -1,0 +1,135 @@
+"""Two drafters in one: per row, the primary's proposal where it vouches for it, else the other's.
+
+Both drafters propose every round (fixed shapes), each row takes one of the two proposals,
+and both commit the same, true outcome. Typical: prompt lookup first, a draft model where
+lookup finds no match, so repetitive rows copy and the others draft.
+
+Lossless when sampling: the verifier must see the q each row's tokens were drawn from. A
+row that takes a deterministic drafter's tokens (probs None) gets a one-hot q when the
+other drafter has probs. The choice must be fixed before this round's tokens are drawn
+(here: a function of the primary's state after proposing, e.g. whether lookup matched,
+which depends on the context only); a choice that looked at the sampled drafts would make
+q a different distribution.
+
+Whatever each drafter keeps across rounds must stay right on rows that took the other's
+tokens: `commit` sees the drafts the verifier saw, which there are not its own. A plain
+DraftModelDrafter assumes they are (its cache keeps its own drafts up to the accepted
+count), so inside a combination use ResyncDraftModelDrafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
+from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
+from spec_jax.drafters.prompt_lookup import found_match
+from spec_jax.sampling import SamplingConfig, sample, warped_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class ResyncDraftModelDrafter(DraftModelDrafter):
+  """A draft model that keeps only verified tokens in its cache, whoever drafted them.
+
+  Each round its first step re-feeds the last gamma + 1 known tokens (slots L - gamma .. L,
+  the pending one last), the most one round can add, and `commit` keeps only slots up to L.
+  So its cache never holds a draft, and other drafters' tokens never reach it. The price:
+  gamma + 1 tokens instead of 2 in the first draft step.
+  """
+
+  def propose(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
+              sampling: SamplingConfig, key: jax.Array):
+    pos_B = ctx.position_B
+    # clamped at 0 early on: repeated (token 0, position 0) entries write the same values
+    window_BW = jnp.maximum(pos_B[:, None] + jnp.arange(-gamma, 1, dtype=jnp.int32)[None, :], 0)
+    tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
+    logits_BWV, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
+    keys = jax.random.split(key, gamma)
+    probs = lambda logits_BV: None if sampling.is_greedy else warped_probs(logits_BV, sampling)
+    first_B = sample(keys[0], logits_BWV[:, -1], sampling)
+
+    def step(carry, inputs):
+      cache, token_B = carry
+      step_key, offset = inputs
+      logits_B1V, _, cache = self.model.apply(params, token_B[:, None],
+                                              (pos_B + offset)[:, None], cache)
+      next_B = sample(step_key, logits_B1V[:, 0], sampling)
+      return (cache, next_B), (next_B, probs(logits_B1V[:, 0]))
+
+    (cache, _), (rest_GB, rest_probs_GBV) = jax.lax.scan(
+        step, (cache, first_B), (keys[1:], jnp.arange(1, gamma, dtype=jnp.int32)))
+    tokens_BG = jnp.concatenate([first_B[:, None], rest_GB.T], axis=1)
+    probs_BGV = None
+    if not sampling.is_greedy:
+      probs_BGV = jnp.concatenate([probs(logits_BWV[:, -1])[:, None],
+                                   rest_probs_GBV.transpose(1, 0, 2)], axis=1)
+    return tokens_BG, probs_BGV, DraftModelState(cache)
+
+  def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:
+    kept_B = jnp.minimum(outcome.context.position_B + 1, outcome.new_target_length_B)
+    return DraftModelState(state.cache.with_length(kept_B))
+
+
+@struct.dataclass
+class FallbackState:
+  primary: Any
+  secondary: Any
+
+
+def _q_or_one_hot(tokens_BG, probs_BGV, vocab: int):
+  return jax.nn.one_hot(tokens_BG, vocab, dtype=jnp.float32) if probs_BGV is None else probs_BGV
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackDrafter(Drafter):
+  """Rows where use_primary(primary state after proposing) holds take the primary's drafts.
+
+  draft_params: (primary params, secondary params).
+  """
+  primary: Drafter
+  secondary: Drafter
+  use_primary: Callable[[Any], jax.Array] = found_match  # -> [B] bool
+
+  @property
+  def vocab_size(self) -> int | None:
+    v = self.primary.vocab_size
+    return self.secondary.vocab_size if v is None else v
+
+  def check(self, target, gamma: int) -> None:
+    for part in (self.primary, self.secondary):
+      part.check(target, gamma)
+      if isinstance(part, DraftModelDrafter) and not isinstance(part, ResyncDraftModelDrafter):
+        raise ValueError(f"{type(part).__name__} keeps its own drafts in its cache, wrong on rows "
+                         "that took the other drafter's; combine ResyncDraftModelDrafter(model)")
+
+  def extra_slots(self, gamma: int) -> int:
+    return max(self.primary.extra_slots(gamma), self.secondary.extra_slots(gamma))
+
+  def init(self, params, prompt: PromptInfo) -> FallbackState:
+    return FallbackState(self.primary.init(params[0], prompt),
+                         self.secondary.init(params[1], prompt))
+
+  def propose(self, params, state: FallbackState, ctx: DraftContext, gamma: int,
+              sampling: SamplingConfig, key: jax.Array):
+    key_1, key_2 = jax.random.split(key)
+    tokens_1, probs_1, state_1 = self.primary.propose(params[0], state.primary, ctx, gamma,
+                                                      sampling, key_1)
+    tokens_2, probs_2, state_2 = self.secondary.propose(params[1], state.secondary, ctx, gamma,
+                                                        sampling, key_2)
+    use_B = self.use_primary(state_1)
+    tokens_BG = jnp.where(use_B[:, None], tokens_1, tokens_2)
+    probs_BGV = None
+    if probs_1 is not None or probs_2 is not None:
+      vocab = (probs_1 if probs_1 is not None else probs_2).shape[-1]
+      probs_BGV = jnp.where(use_B[:, None, None], _q_or_one_hot(tokens_1, probs_1, vocab),
+                            _q_or_one_hot(tokens_2, probs_2, vocab))
+    return tokens_BG, probs_BGV, FallbackState(state_1, state_2)
+
+  def commit(self, params, state: FallbackState, outcome: RoundOutcome) -> FallbackState:
+    return FallbackState(self.primary.commit(params[0], state.primary, outcome),
+                         self.secondary.commit(params[1], state.secondary, outcome))

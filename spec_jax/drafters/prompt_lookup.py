@@ -1,0 +1,103 @@
+"""Prompt lookup (n-gram) drafting, on device: copy what followed the last n tokens before.
+
+No model and no parameters. Each round, per row, over the row's token buffer (prompt and
+generated so far, the pending token last): find the most recent earlier occurrence of the
+last n tokens, trying n from max_ngram down to min_ngram, and propose the gamma tokens
+that followed it. The search is a fixed-shape comparison over the whole buffer, so it
+runs inside the jitted loop for any prompt without recompiling or syncing with the host.
+
+Continuations that run past the known tokens read the proposal itself, like an
+overlapping LZ77 copy: a match ending p tokens before the end proposes the last p known
+tokens repeated, i.e. the repeat continues with its own period. A row with no match
+proposes its last token repeated (the same rule with p = 1) and is marked not `found`.
+Proposals are deterministic: probs is None, the verifier takes q as one-hot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo
+from spec_jax.sampling import SamplingConfig
+
+
+def _shift_right(x_BS: jax.Array, k: int, fill: int) -> jax.Array:
+  """out[:, i] = x[:, i - k] (fill where i < k)."""
+  if k == 0:
+    return x_BS
+  pad_Bk = jnp.full((x_BS.shape[0], k), fill, x_BS.dtype)
+  return jnp.concatenate([pad_Bk, x_BS[:, :-k]], axis=1)
+
+
+def ngram_lookup(seq_BS: jax.Array, length_B: jax.Array, gamma: int, max_ngram: int,
+                 min_ngram: int) -> tuple[jax.Array, jax.Array]:
+  """Proposes gamma tokens per row from the most recent earlier match of its last n tokens.
+
+  Args:
+    seq_BS: [B, S] token buffers; only the first length_B[b] tokens of row b are read.
+    length_B: [B] number of known tokens per row (>= 1); the suffix is seq[L - n : L].
+    gamma, max_ngram, min_ngram: static ints, 1 <= min_ngram <= max_ngram.
+  Returns:
+    tokens_BG: [B, gamma] int32 proposals.
+    found_B: [B] bool, whether some n in [min_ngram, max_ngram] matched.
+
+  A match is an n-gram seq[e - n + 1 : e + 1] equal to the suffix with end e < L - 1 (it
+  may overlap the suffix, never be it). The longest n wins, then the largest e.
+  """
+  seq_BS = seq_BS.astype(jnp.int32)
+  length_B = length_B.astype(jnp.int32)
+  batch, width = seq_BS.shape
+  end_S = jnp.arange(width, dtype=jnp.int32)
+  before_suffix_BS = end_S[None, :] < (length_B - 1)[:, None]
+  match_BS = jnp.ones((batch, width), bool)  # n-grams ending at e equal the suffix so far
+  best_end_B = jnp.full((batch,), -1, jnp.int32)
+  found_B = jnp.zeros((batch,), bool)
+  matches = []
+  for k in range(max_ngram):  # extend every candidate by one more token to the left
+    suffix_B = jnp.take_along_axis(seq_BS, jnp.maximum(length_B - 1 - k, 0)[:, None], 1)[:, 0]
+    match_BS = match_BS & (_shift_right(seq_BS, k, -1) == suffix_B[:, None])
+    matches.append(match_BS & before_suffix_BS & (end_S[None, :] >= k))
+  for n in range(max_ngram, min_ngram - 1, -1):  # the longest n-gram that matches wins
+    end_B = jnp.max(jnp.where(matches[n - 1], end_S[None, :], -1), axis=1)
+    take_B = ~found_B & (end_B >= 0)
+    best_end_B = jnp.where(take_B, end_B, best_end_B)
+    found_B = found_B | take_B
+  # copy from e + 1 on; past the last known token the copy repeats with period p = L - 1 - e
+  period_B = jnp.where(found_B, length_B - 1 - best_end_B, 1)
+  j_G = jnp.arange(gamma, dtype=jnp.int32)
+  src_BG = (length_B - period_B)[:, None] + j_G[None, :] % period_B[:, None]
+  return jnp.take_along_axis(seq_BS, src_BG, axis=1), found_B
+
+
+@struct.dataclass
+class PromptLookupState:
+  found_B: jax.Array  # [B] bool: the last proposal came from a match (see FallbackDrafter)
+
+
+def found_match(state: PromptLookupState) -> jax.Array:
+  """Per-row predicate for FallbackDrafter: rows whose lookup found a match."""
+  return state.found_B
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookupDrafter(Drafter):
+  """n-gram drafting from the row's own tokens. draft_params: None."""
+  max_ngram: int = 3
+  min_ngram: int = 1
+
+  def __post_init__(self):
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+  def init(self, params, prompt: PromptInfo) -> PromptLookupState:
+    return PromptLookupState(jnp.zeros(prompt.lengths_B.shape, bool))
+
+  def propose(self, params, state: PromptLookupState, ctx: DraftContext, gamma: int,
+              sampling: SamplingConfig, key: jax.Array):
+    tokens_BG, found_B = ngram_lookup(ctx.seq_BS, ctx.position_B + 1, gamma, self.max_ngram,
+                                      self.min_ngram)
+    return tokens_BG, None, PromptLookupState(found_B)

@@ -1,0 +1,275 @@
+"""Training-free drafters: prompt lookup, layer skip, int8 target, and their combination.
+
+Each is lossless (greedy: the autoregressive tokens; sampling: the target's distribution),
+keeps its cache right after rollback, and does what it claims (lookup finds the right
+continuation; int8 logits stay close to the float target's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import perturbed
+from spec_jax.drafters import (DraftModelDrafter, FallbackDrafter, LayerSkipDrafter,
+                               PromptLookupDrafter, ResyncDraftModelDrafter, make_drafter,
+                               ngram_lookup, quantized_target_drafter)
+from spec_jax.drafters.layer_skip import truncated_model
+from spec_jax.generate import generate, pad_prompts
+from spec_jax.metrics import summarize
+from spec_jax.quantize import quantize_params
+from spec_jax.sampling import SamplingConfig
+from spec_jax.speculative import speculative_generate
+from test_speculative import (CACHE_TOL, DEPTH, NEW, PROMPT, SAMPLES, SIGNIFICANCE, exact_joint,
+                              pvalue_vs_exact, small_pair)  # noqa: F401 (small_pair: a fixture)
+
+# --- n-gram lookup on constructed sequences ---------------------------------------------------
+
+
+def reference_lookup(seq, length, gamma, max_ngram, min_ngram):
+  """Plain-Python lookup: the definition ngram_lookup must implement."""
+  seq = list(seq[:length])
+  for n in range(max_ngram, min_ngram - 1, -1):
+    ends = [e for e in range(n - 1, length - 1) if seq[e - n + 1:e + 1] == seq[length - n:]]
+    if ends:
+      out = seq[:]
+      for j in range(gamma):  # copy what followed; the copy may read its own output
+        out.append(out[max(ends) + 1 + j])
+      return out[length:], True
+  return [seq[-1]] * gamma, False
+
+
+# (tokens, length, gamma, max_ngram, min_ngram) -> (proposal, found)
+CASES = {
+    "most recent match": (([5, 6, 7, 5, 6, 8, 5, 6], 8, 6, 3, 1), ([8, 5, 6, 8, 5, 6], True)),
+    "longest n before recency": (([1, 2, 3, 9, 4, 2, 3, 7, 1, 2, 3], 11, 4, 3, 1),
+                                 ([9, 4, 2, 3], True)),
+    "shorter n when longer fail": (([1, 2, 3, 9, 4, 2, 3, 7, 1, 2, 3], 11, 4, 2, 1),
+                                   ([7, 1, 2, 3], True)),
+    "overlapping, period 1": (([4, 4, 4, 4], 4, 5, 3, 1), ([4, 4, 4, 4, 4], True)),
+    "overlapping, period 2": (([1, 2, 1, 2, 1], 5, 5, 3, 1), ([2, 1, 2, 1, 2], True)),
+    "no match: last token": (([1, 2, 3, 4], 4, 3, 3, 1), ([4, 4, 4], False)),
+    "only below min_ngram": (([7, 1, 2, 7], 4, 2, 3, 2), ([7, 7], False)),
+    "the suffix is no match": (([1, 2, 3], 3, 2, 3, 1), ([3, 3], False)),
+    "tokens past length unseen": (([3, 7, 1, 2, 3, 7, 9, 9], 2, 2, 2, 1), ([7, 7], False)),
+    "one token only": (([6, 6, 6], 1, 2, 3, 1), ([6, 6], False)),
+    "match ends just before the suffix, buffer full": (([8, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3], 12,
+                                                        3, 2, 1), ([3, 3, 3], True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ngram_lookup_constructed(name):
+  (tokens, length, gamma, max_n, min_n), expected = CASES[name]
+  assert reference_lookup(tokens, length, gamma, max_n, min_n) == expected  # the definition
+  proposal_BG, found_B = ngram_lookup(jnp.array([tokens]), jnp.array([length]), gamma, max_n,
+                                      min_n)
+  assert (np.asarray(proposal_BG)[0].tolist(), bool(found_B[0])) == expected
+
+
+def test_ngram_lookup_matches_reference_on_random_batches():
+  """Rows of different lengths in one fixed-shape batch, small vocabularies (many matches)."""
+  rng = np.random.default_rng(0)
+  lookup = jax.jit(ngram_lookup, static_argnums=(2, 3, 4))
+  for vocab, width, gamma, max_n, min_n in [(3, 20, 5, 3, 1), (5, 30, 4, 4, 2), (2, 12, 7, 2, 2)]:
+    seq = rng.integers(0, vocab, (64, width)).astype(np.int32)
+    lengths = rng.integers(1, width + 1, 64).astype(np.int32)
+    proposal_BG, found_B = lookup(seq, lengths, gamma, max_n, min_n)
+    for row in range(64):
+      expected = reference_lookup(seq[row], lengths[row], gamma, max_n, min_n)
+      assert (np.asarray(proposal_BG[row]).tolist(), bool(found_B[row])) == expected, row
+
+
+# --- greedy identity on stories260K, caches after rollback ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def story_reference(stories, story_prompts):
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  return prompts, generate(model, params, *prompts, max_new_tokens=NEW, eos_id=1)
+
+
+# On stories260K the first 4 of 5 layers agree with the target often enough for ragged
+# acceptance; fewer layers accept little (see scripts/drafter_table.py).
+LAYERS = 4
+
+
+def _draft_caches(kind, model, params, draft_params, draft_state):
+  """(model, params, cache) of every draft-model cache in the drafter's state."""
+  if kind == "layer_skip":
+    return [(truncated_model(model, LAYERS), params, draft_state.cache)]
+  if kind == "quantized":
+    return [(model, draft_params, draft_state.cache)]
+  if kind == "lookup+layer_skip":
+    return [(truncated_model(model, LAYERS), params, draft_state.secondary.cache)]
+  return []
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "layer_skip", "quantized", "lookup+layer_skip"])
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_greedy_identity_and_draft_cache_stories260k(stories, story_reference, kind, gamma):
+  model, params = stories
+  prompts, reference = story_reference
+  drafter, draft_params = make_drafter(kind, model, params, num_layers=LAYERS)
+  out, _, draft_state = speculative_generate(model, params, drafter, draft_params, *prompts,
+                                             gamma=gamma, max_new_tokens=NEW, eos_id=1,
+                                             return_state=True)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  m = summarize(out.metrics)
+  print(f"{kind} gamma={gamma}: acceptance {m['acceptance_rate']:.1%}, "
+        f"mean accepted {m['mean_accepted']:.2f}")
+  if kind == "quantized":
+    # fixed before running: int8 logits stay within ~0.3 of the float ones (see the test
+    # below), so the argmax differs only at near-ties
+    assert m["acceptance_rate"] > 0.8
+  # after any sequence of rounds, a draft cache up to its length equals a fresh prefill
+  seq = np.asarray(out.sequences)
+  lengths = np.asarray(prompts[1]) + np.asarray(out.num_tokens)
+  positions = np.broadcast_to(np.arange(seq.shape[1], dtype=np.int32), seq.shape)
+  for draft_model, p, cache in _draft_caches(kind, model, params, draft_params, draft_state):
+    _, _, fresh = draft_model.apply(p, seq, positions, draft_model.init_cache(*seq.shape))
+    kept = np.asarray(cache.length_B)
+    assert (kept >= lengths - 1 - gamma).all() and (kept <= lengths).all()
+    for row, length in enumerate(kept):
+      np.testing.assert_allclose(cache.k_LBSKH[:, row, :length], fresh.k_LBSKH[:, row, :length],
+                                 err_msg=f"row {row}", **CACHE_TOL)
+      np.testing.assert_allclose(cache.v_LBSKH[:, row, :length], fresh.v_LBSKH[:, row, :length],
+                                 err_msg=f"row {row}", **CACHE_TOL)
+
+
+def test_prompt_lookup_accepts_more_on_a_repetitive_prompt(stories, reference_tokens):
+  """A passage the model tends to repeat, given twice, against a short fresh prompt."""
+  model, params = stories
+  passage = reference_tokens[131:160]  # 'Lily was sad and didn't know what to do. She said, ...'
+  prompts = pad_prompts([[1] + passage + passage, [1, 403, 407]])  # ..., 'Once upon'
+  gamma = 4
+  out = speculative_generate(model, params, PromptLookupDrafter(), None, *prompts, gamma=gamma,
+                             max_new_tokens=NEW)
+  m = jax.tree.map(np.asarray, out.metrics)
+  rate_B = m.accepted_B / (m.rounds_B * gamma)
+  print(f"lookup acceptance: repetitive {rate_B[0]:.1%}, not repetitive {rate_B[1]:.1%}")
+  # fixed before running: 'clearly higher' as at least a fifth of all drafts accepted, and
+  # three times the rate of the fresh prompt
+  assert rate_B[0] >= 0.2 and rate_B[0] >= 3 * rate_B[1]
+
+
+# --- int8 target: logit error ---------------------------------------------------------------
+
+
+def test_int8_logits_stay_close_to_the_float_target(stories, reference_tokens):
+  model, params = stories
+  tokens = jnp.array([reference_tokens])
+  positions = jnp.arange(tokens.shape[1])[None]
+  cache = model.init_cache(*tokens.shape)
+  drafter, q_params = quantized_target_drafter(model, params)
+  assert drafter == DraftModelDrafter(model)
+  logits = np.asarray(model.apply(params, tokens, positions, cache)[0][0], np.float64)
+  q_logits = np.asarray(model.apply(q_params, tokens, positions, cache)[0][0], np.float64)
+  # Fixed from the rounding alone: int8 moves a weight by at most absmax/254 of its output
+  # channel, ~0.7% of a matmul's output RMS for near-Gaussian weights; about 20 matmuls lie
+  # in series over 5 layers and their errors mostly add in quadrature (~3%). So: logit error
+  # at most 2% of the largest |logit|, and at every position a total-variation distance of
+  # the softmax (1 - acceptance when sampling at temperature 1) of at most 0.05.
+  assert np.abs(q_logits - logits).max() <= 0.02 * np.abs(logits).max()
+  probs, q_probs = jax.nn.softmax(logits), jax.nn.softmax(q_logits)
+  assert 0.5 * np.abs(np.asarray(probs) - np.asarray(q_probs)).sum(-1).max() <= 0.05
+  leaves = jax.tree.leaves(q_params, is_leaf=lambda x: hasattr(x, "values_IO"))
+  assert sum(hasattr(x, "values_IO") for x in leaves) == 7 * model.config.n_layers
+
+
+# --- distribution identity when sampling (the small pair of test_speculative) -----------------
+
+
+def _sampling_drafter(kind, target, tp):
+  """Drafters for the 2-layer target of `small_pair` (layer skip keeps 1 of its 2 layers)."""
+  if kind == "prompt_lookup":
+    return PromptLookupDrafter(), None
+  if kind == "lookup+layer_skip":  # min_ngram 1: both branches are common on 3-token prompts
+    return make_drafter(kind, target, tp, num_layers=1, min_ngram=1)
+  return make_drafter(kind, target, tp, num_layers=1)
+
+
+_joints = {}
+
+
+def _joint(small_pair, sampling):
+  """exact_joint, computed once per setting (eagerly it costs seconds)."""
+  if sampling not in _joints:
+    _joints[sampling] = exact_joint(*small_pair[:2], PROMPT, DEPTH, sampling)
+  return _joints[sampling]
+
+
+def _sample(small_pair, drafter, draft_params, sampling):
+  target, tp = small_pair[:2]
+  out = speculative_generate(target, tp, drafter, draft_params, *pad_prompts([PROMPT] * SAMPLES),
+                             gamma=2, max_new_tokens=DEPTH, sampling=sampling,
+                             key=jax.random.key(1))
+  assert (np.asarray(out.num_tokens) == DEPTH).all()
+  return pvalue_vs_exact(out.tokens, _joint(small_pair, sampling))
+
+
+# temperature 1 leaves q least changed by warping, so a wrong q shows most
+@pytest.mark.parametrize("kind,sampling", [
+    ("prompt_lookup", SamplingConfig(0.7, top_k=4)), ("layer_skip", SamplingConfig(1.0)),
+    ("quantized", SamplingConfig(1.0)), ("lookup+layer_skip", SamplingConfig(1.0))])
+def test_sampled_distribution_matches_target(small_pair, kind, sampling):
+  drafter, draft_params = _sampling_drafter(kind, *small_pair[:2])
+  assert _sample(small_pair, drafter, draft_params, sampling) > SIGNIFICANCE
+
+
+@dataclasses.dataclass(frozen=True)
+class OtherDraftersQ(FallbackDrafter):
+  """Wrong on purpose: rows that took lookup's tokens get the draft model's q, not one-hot."""
+
+  def propose(self, params, state, ctx, gamma, sampling, key):
+    tokens_BG, _, new_state = super().propose(params, state, ctx, gamma, sampling, key)
+    # the secondary's own call again, with the key FallbackDrafter gave it
+    _, model_probs_BGV, _ = self.secondary.propose(params[1], state.secondary, ctx, gamma,
+                                                   sampling, jax.random.split(key)[1])
+    return tokens_BG, model_probs_BGV, new_state
+
+
+def test_distribution_test_catches_q_of_the_other_drafter(small_pair):
+  drafter, draft_params = _sampling_drafter("lookup+layer_skip", *small_pair[:2])
+  wrong = OtherDraftersQ(drafter.primary, drafter.secondary)
+  assert _sample(small_pair, wrong, draft_params, SamplingConfig(1.0)) < SIGNIFICANCE
+
+
+# --- construction and checks ------------------------------------------------------------------
+
+
+def test_construction_and_checks(stories):
+  model, params = stories
+  assert LayerSkipDrafter(model, 2) == LayerSkipDrafter(model, 2)  # hashable static argument
+  assert LayerSkipDrafter(model, 2).model.num_layers == 2
+  drafter, draft_params = make_drafter("layer_skip", model, params, num_layers=3)
+  assert draft_params is params and drafter == LayerSkipDrafter(model, 3)
+  assert make_drafter("layer_skip", model, params)[0] == LayerSkipDrafter(model, 4)  # 3/4 of 5
+  for bad in (0, model.config.n_layers + 1):
+    with pytest.raises(ValueError, match="num_layers"):
+      LayerSkipDrafter(model, bad)
+  with pytest.raises(ValueError, match="min_ngram"):
+    PromptLookupDrafter(max_ngram=1, min_ngram=2)
+  with pytest.raises(ValueError, match="unknown drafter kind"):
+    make_drafter("lookahead", model, params)
+  with pytest.raises(ValueError, match="needs draft_model"):
+    make_drafter("draft_model", model, params)
+  combined, combined_params = make_drafter("lookup+quantized", model, params)
+  assert combined == FallbackDrafter(PromptLookupDrafter(3, 2), ResyncDraftModelDrafter(model))
+  assert combined_params[0] is None
+  # a plain draft model inside a combination would keep the other drafter's tokens' slots
+  # filled with its own drafts: refused before anything compiles
+  plain = FallbackDrafter(PromptLookupDrafter(), LayerSkipDrafter(model, 2))
+  with pytest.raises(ValueError, match="ResyncDraftModelDrafter"):
+    speculative_generate(model, params, plain, (None, params), *pad_prompts([[1, 2]]), gamma=2,
+                         max_new_tokens=4)
+  noisy = perturbed(params, 0.15, seed=1)
+  drafter, draft_params = make_drafter("lookup+draft_model", model, params, draft_model=model,
+                                       draft_params=noisy)
+  assert drafter.secondary == ResyncDraftModelDrafter(model) and draft_params[1] is noisy
