@@ -64,7 +64,19 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
   logits_BG1V, hidden_BG1D, cache = target.apply(params, block_BG1, positions_BG1, s.cache)
   num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
                                   verify_key)
+  return commit_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, cache,
+                      draft_state, draft_tokens_BG, num_accepted_B, next_B, hidden_BG1D)
 
+
+def commit_round(drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, s: SpecState, key,
+                 ctx: DraftContext, cache: KVCache, draft_state, draft_tokens_BG, num_accepted_B,
+                 next_B, hidden_BG1D, **outcome_fields) -> SpecState:
+  """Step 4 of a round, shared by chain and tree rounds (which pass their accepted path).
+
+  `cache` holds [pending, accepted drafts] at slots L..L+num_accepted; draft_tokens_BG are
+  the drafts in order (entries past num_accepted are never kept).
+  """
+  length_B = ctx.position_B
   new_BK = candidates(draft_tokens_BG, num_accepted_B, next_B)
   count_B, done_B = tokens_to_emit(new_BK, num_accepted_B + 1, s.num_generated_B, budget_B,
                                    s.done_B, eos_id)
@@ -74,7 +86,8 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
   kept_in_cache_B = jnp.where(count_B > 0, jnp.minimum(count_B, num_accepted_B) + 1, 0)
   new_length_B = length_B + kept_in_cache_B
   cache = cache.with_length(new_length_B)
-  outcome = RoundOutcome(ctx, draft_tokens_BG, num_accepted_B, next_B, new_length_B, hidden_BG1D)
+  outcome = RoundOutcome(ctx, draft_tokens_BG, num_accepted_B, next_B, new_length_B, hidden_BG1D,
+                         **outcome_fields)
   draft_state = drafter.commit(draft_params, draft_state, outcome)
   last_kept_B = jnp.take_along_axis(new_BK, jnp.maximum(count_B - 1, 0)[:, None], axis=1)[:, 0]
   pending_B = jnp.where(count_B > 0, last_kept_B, s.pending_B)
@@ -97,6 +110,8 @@ class SpeculativeProgram:
   cache_len: int
   sampling: SamplingConfig
   verifier: object = verify
+  # one round, with speculative_round's signature (the tree round: gamma = max tree depth)
+  round_fn: object = speculative_round
 
   def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key) -> SpecState:
     seq_BS = initial_buffer(tokens_BP, self.cache_len)
@@ -113,7 +128,7 @@ class SpeculativeProgram:
   def run(self, params, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
           round_limit) -> SpecState:
     """Runs rounds until every row is done or `round_limit` rounds have run in all."""
-    round_fn = functools.partial(speculative_round, self.target, self.drafter, self.gamma,
+    round_fn = functools.partial(self.round_fn, self.target, self.drafter, self.gamma,
                                  self.sampling, self.verifier, params, draft_params, lengths_B,
                                  budget_B, eos_id)
     # every round emits at least one token per active row: max_new_tokens rounds suffice

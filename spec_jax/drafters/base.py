@@ -49,6 +49,10 @@ class RoundOutcome:
   next_token_B: jax.Array  # [B] correction or bonus token: the next round's pending token
   new_target_length_B: jax.Array  # [B] target cache length after the round
   target_hidden_BG1D: jax.Array | None = None  # target's hidden states over [pending, drafts]
+  # Tree rounds (spec_jax.tree_speculative): node indices of the accepted path, root first
+  # [B, max_depth + 1]; draft_tokens_BG and target_hidden_BG1D are then the tokens and
+  # hidden states along that path (entries past num_accepted are padding). None for chains.
+  tree_path_BD1: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +82,30 @@ class Drafter:
 
   def commit(self, params, state, outcome: RoundOutcome) -> Any:
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeDrafter(Drafter):
+  """A drafter that proposes a token tree (spec_jax.tree.TokenTree) instead of a chain:
+
+      tree, state = drafter.propose_tree(params, state, ctx, sampling, key)
+
+  Node 0 of the tree is the pending token ctx.pending_B. `num_nodes` and `max_depth` are
+  static; commit receives a RoundOutcome whose draft tokens and target hidden states are
+  those along the accepted path (see RoundOutcome.tree_path_BD1).
+  """
+
+  @property
+  def num_nodes(self) -> int:
+    raise NotImplementedError
+
+  @property
+  def max_depth(self) -> int:
+    raise NotImplementedError
+
+  def extra_slots(self, gamma: int) -> int:
+    return self.num_nodes  # the target writes the whole tree past the committed prefix
+
+  def propose_tree(self, params, state, ctx: DraftContext, sampling: SamplingConfig,
+                   key: jax.Array):
+    raise NotImplementedError

@@ -1,0 +1,130 @@
+"""A separate (small) draft model growing a token tree: EAGLE-2-style dynamic, or static choices.
+
+Trees are deterministic functions of the context (top-k of the draft's log-probs, warped
+with the sampling settings when sampling), so tree verification with one-hot q is lossless.
+
+Draft cache bookkeeping (choice: recompute the accepted path). At the end of a round the
+draft cache is valid up to and including the round's root (slots <= L); the tree nodes the
+draft model ran are scattered over slots past it and are stale. The next round starts with
+a catch-up block of max_depth + 1 tokens read from the output buffer at positions V.. (V =
+the draft cache length): the accepted drafts of the last round, the new pending token, and
+past it stale tokens whose entries stay masked. The new root's logits are the block's
+output at the pending token. A round accepts at most max_depth drafts, so the block always
+reaches the pending token. Costs one extra draft pass of max_depth + 1 tokens per round, in
+exchange for never copying the draft's tree entries.
+
+Draft block for tree attention (see spec_jax.tree.Expansion): slot 0 is the root at slot
+L (written by the catch-up), block slot j > 0 at cache slot L + j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome, TreeDrafter
+from spec_jax.kv_cache import KVCache, tree_mask
+from spec_jax.sampling import SamplingConfig, warp_logits
+from spec_jax.tree import (Expansion, StaticTree, TokenTree, check_dynamic_tree,
+                           grow_dynamic_tree, grow_static_tree, static_tree)
+
+
+@struct.dataclass
+class DraftTreeState:
+  cache: KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelTreeDrafter(TreeDrafter):
+  """Dynamic tree (depth, top_k, nodes) unless `choices` (Medusa-style paths) is given.
+
+  Dynamic: each depth expands the top_k best frontier nodes by cumulative draft log-prob;
+  `nodes` (root included) best candidates form the tree. Static: node of rank r is its
+  parent's r-th best draft token; depth, top_k and nodes are then taken from the choices.
+  """
+  model: object  # a CausalLM, hashable
+  depth: int = 4
+  top_k: int = 3
+  nodes: int = 16
+  choices: tuple | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  @property
+  def spec(self) -> StaticTree | None:
+    return None if self.choices is None else static_tree(self.choices)
+
+  @property
+  def num_nodes(self) -> int:
+    return self.nodes if self.choices is None else self.spec.num_nodes
+
+  @property
+  def max_depth(self) -> int:
+    return self.depth if self.choices is None else self.spec.max_depth
+
+  @property
+  def block_slots(self) -> int:
+    """Draft cache slots a round uses from the root on (block, or catch-up past the root)."""
+    block = self.num_nodes if self.choices is not None else 1 + (self.depth - 1) * self.top_k
+    return max(block, self.max_depth + 1)
+
+  def check(self, target, gamma: int) -> None:
+    super().check(target, gamma)
+    if self.choices is None:
+      check_dynamic_tree(self.depth, self.top_k, self.nodes)
+    else:
+      self.spec  # validates the choices
+
+  def extra_slots(self, gamma: int) -> int:
+    return max(self.num_nodes, self.block_slots)
+
+  def init(self, params, prompt: PromptInfo) -> DraftTreeState:
+    batch, width = prompt.tokens_BP.shape
+    positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    cache = self.model.init_cache(batch, prompt.cache_len)
+    _, _, cache = self.model.apply(params, prompt.tokens_BP, positions_BP, cache)
+    return DraftTreeState(cache.with_length(prompt.lengths_B))
+
+  def _log_probs(self, logits, sampling: SamplingConfig):
+    # greedy warping is one-hot, which would leave nothing to rank the other children by
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) if sampling.is_greedy \
+        else warp_logits(logits, sampling)
+
+  def propose_tree(self, params, state: DraftTreeState, ctx: DraftContext,
+                   sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, DraftTreeState]:
+    root_B = ctx.position_B
+    start_B = state.cache.length_B
+    # catch-up: [last round's accepted drafts, pending, stale...] at positions start..
+    positions_BC = start_B[:, None] + jnp.arange(self.max_depth + 1, dtype=jnp.int32)[None, :]
+    last_slot = ctx.seq_BS.shape[1] - 1
+    tokens_BC = jnp.take_along_axis(ctx.seq_BS, jnp.minimum(positions_BC, last_slot), axis=1)
+    logits_BCV, _, cache = self.model.apply(params, tokens_BC, positions_BC, state.cache)
+    root_logits_BV = jnp.take_along_axis(logits_BCV, (root_B - start_B)[:, None, None],
+                                         axis=1)[:, 0]
+    cache = cache.with_length(root_B + 1)
+
+    def expand(cache: KVCache, level: Expansion):
+      positions_BT = jnp.broadcast_to(root_B[:, None] + level.depth, level.tokens_BT.shape)
+      slots_BT = root_B[:, None] + jnp.asarray(level.block_ids)[None, :]
+      mask_BTS = tree_mask(root_B, level.ancestors_BTM, cache.max_len)
+      logits_BTV, _, cache = self.model.apply(params, level.tokens_BT, positions_BT, cache,
+                                              slots_BT=slots_BT, mask_BTS=mask_BTS)
+      return self._log_probs(logits_BTV, sampling), cache
+
+    root_logp_BV = self._log_probs(root_logits_BV, sampling)
+    if self.choices is None:
+      tree, cache = grow_dynamic_tree(root_logp_BV, ctx.pending_B, expand, cache,
+                                      depth=self.depth, top_k=self.top_k, num_nodes=self.nodes)
+    else:
+      tree, cache = grow_static_tree(self.spec, root_logp_BV, ctx.pending_B, expand, cache)
+    return tree, DraftTreeState(cache)
+
+  def commit(self, params, state: DraftTreeState, outcome: RoundOutcome) -> DraftTreeState:
+    # valid: the prefix and the root; never more than the target keeps (a finished row)
+    valid_B = jnp.minimum(outcome.context.position_B + 1, outcome.new_target_length_B)
+    return DraftTreeState(state.cache.with_length(valid_B))

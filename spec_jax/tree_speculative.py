@@ -1,0 +1,100 @@
+"""Token-tree speculative generation: the chain loop with a tree round in place of the chain one.
+
+One tree round, fixed shapes whatever each row accepts:
+  1. draft:   the drafter proposes a tree of N nodes (node 0 = the pending token);
+  2. verify:  one target pass over all N nodes, node i written at slot L+i, at position
+              L+depth(i), attending to the prefix and its own ancestors (tree mask);
+  3. accept:  `verify_tree` returns the accepted path (root first), its length, the next token;
+  4. compact: slot L+d <- slot L+path[d] in every layer (gather, then scatter), so the cache
+              is laid out as if the accepted path had been a chain; then the chain's commit
+              (tokens, budgets, EOS, cache length, drafter commit, metrics) runs unchanged,
+              with the drafter told the path (RoundOutcome.tree_path_BD1).
+The loop, prefill, output and metrics are speculative.py's (SpeculativeProgram with this
+round; its `gamma` is the tree's max depth, the most drafts a round can accept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.drafters.base import DraftContext, TreeDrafter
+from spec_jax.generate import CausalLM
+from spec_jax.kv_cache import KVCache, tree_mask
+from spec_jax.sampling import SamplingConfig
+from spec_jax.speculative import SpecState, _speculative_jit, commit_round, prepare
+from spec_jax.tree_verify import verify_tree
+
+
+def compact_path(cache: KVCache, start_B: jax.Array, path_BD1: jax.Array) -> KVCache:
+  """Moves the accepted path's entries to consecutive slots: slot start+d <- start+path[d].
+
+  All sources are read before any write, so a path may read a slot it also overwrites.
+  Padding entries of the path (past the accepted length) copy the root into stale slots.
+  """
+  depth_D1 = jnp.arange(path_BD1.shape[1], dtype=jnp.int32)
+  src_BD1 = start_B[:, None] + path_BD1
+  dst_BD1 = start_B[:, None] + depth_D1[None, :]
+
+  def move_row(kv_LSKH, src_D1, dst_D1):
+    return kv_LSKH.at[:, dst_D1].set(kv_LSKH[:, src_D1], mode="drop")
+
+  # vmap over rows (as kv_cache.write_rows): local to each shard when the batch is sharded
+  move = jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
+  return cache.replace(k_LBSKH=move(cache.k_LBSKH, src_BD1, dst_BD1),
+                       v_LBSKH=move(cache.v_LBSKH, src_BD1, dst_BD1))
+
+
+def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,
+                           sampling: SamplingConfig, verifier, params, draft_params, lengths_B,
+                           budget_B, eos_id, s: SpecState) -> SpecState:
+  """One round over a token tree; the signature of speculative.speculative_round."""
+  key, draft_key, verify_key = jax.random.split(s.key, 3)
+  length_B = s.cache.length_B
+  ctx = DraftContext(s.seq_BS, length_B, s.pending_B)
+  tree, draft_state = drafter.propose_tree(draft_params, s.draft_state, ctx, sampling, draft_key)
+  if tree.max_depth != max_depth:
+    raise ValueError(f"the drafter's tree has max_depth {tree.max_depth}, expected {max_depth}")
+  tree = tree.replace(tokens_BN=tree.tokens_BN.at[:, 0].set(s.pending_B))
+
+  num_nodes = tree.num_nodes
+  positions_BN = length_B[:, None] + tree.depth_BN
+  slots_BN = length_B[:, None] + jnp.arange(num_nodes, dtype=jnp.int32)[None, :]
+  mask_BNS = tree_mask(length_B, tree.ancestors(), s.cache.max_len)
+  logits_BNV, hidden_BND, cache = target.apply(params, tree.tokens_BN, positions_BN, s.cache,
+                                               slots_BT=slots_BN, mask_BTS=mask_BNS)
+  path_BD1, num_accepted_B, next_B = verifier(tree, logits_BNV, sampling, verify_key)
+
+  cache = compact_path(cache, length_B, path_BD1)
+  path_tokens_BD = jnp.take_along_axis(tree.tokens_BN, path_BD1[:, 1:], axis=1)
+  path_hidden_BD1D = jnp.take_along_axis(hidden_BND, path_BD1[:, :, None], axis=1)
+  return commit_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, cache,
+                      draft_state, path_tokens_BD, num_accepted_B, next_B, path_hidden_BD1D,
+                      tree_path_BD1=path_BD1)
+
+
+def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, draft_params,
+                              prompt_tokens_BP, prompt_lengths_B, *, max_new_tokens: int,
+                              sampling: SamplingConfig = SamplingConfig(),
+                              eos_id: int | None = None, key: jax.Array | None = None,
+                              budgets_B=None, pad_id: int = 0, cache_len: int | None = None,
+                              return_state: bool = False, verifier=verify_tree):
+  """Token-tree speculative generation; arguments and output as `speculative_generate`.
+
+  The tree's shape and node budget belong to the drafter (static fields). The metrics are
+  a SpecMetrics whose "gamma" is the tree's max depth: accept_hist counts accepted path
+  lengths, position_acceptance the rate at which each depth was accepted once reached.
+  `verifier` (static; default verify_tree) has verify_tree's signature.
+  """
+  if not isinstance(drafter, TreeDrafter):
+    raise TypeError(f"tree speculation needs a TreeDrafter (with propose_tree), got "
+                    f"{type(drafter).__name__}")
+  program, args = prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B,
+                          gamma=drafter.max_depth, max_new_tokens=max_new_tokens,
+                          sampling=sampling, eos_id=eos_id, key=key, budgets_B=budgets_B,
+                          pad_id=pad_id, cache_len=cache_len, verifier=verifier)
+  program = dataclasses.replace(program, round_fn=tree_speculative_round)
+  out, cache, draft_state = _speculative_jit(program, params, draft_params, *args)
+  return (out, cache, draft_state) if return_state else out
