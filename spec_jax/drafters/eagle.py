@@ -1,0 +1,229 @@
+"""EAGLE: a one-layer decoder that drafts autoregressively in the target's feature space.
+
+EAGLE's sequence element t pairs the target feature f_t (its post-final-norm hidden state
+at position t) with the next token x_{t+1}, sits at position t of EAGLE's own KV cache,
+and predicts f_{t+1}, whose target-head logits predict x_{t+2}.
+
+Committed positions must use TRUE target features, never EAGLE's own guesses. The state
+keeps every target feature by position (`features_BSD`, filled from the prompt and from
+each verify pass: the size of one cache layer). At a round's start (pending token x_L):
+  1. a fixed window of gamma+1 elements at positions L-gamma-1 .. L-1 is (re)run with true
+     features f_i and true tokens x_{i+1} (the last one pairs f_{L-1} with the pending
+     token). The previous round started at L_prev >= L - gamma - 1 with every entry below
+     L_prev exact, so the window covers exactly what the last verify made known (accepted
+     drafts, the correction or bonus token, their features) and overwrites the entries the
+     last round wrote from its own predictions. Rewriting entries that were already exact
+     is a no-op (up to float round-off). The window's last output predicts f_L and d_1.
+  2. a lax.scan of gamma-1 steps feeds (predicted f_{L-1+j}, d_j) at position L-1+j and
+     draws d_{j+1}. These entries are provisional and get overwritten next round.
+Windows reaching before position 0 compute their padding entries but never store them.
+So every round has the same shapes whatever was accepted, and the state needs no gamma at
+init. Sampling drafts are drawn from the warped distribution and returned with it.
+
+`EagleTreeDrafter` grows an EAGLE-2-style dynamic tree (or a static one from choices) from
+the same window: its root is the window's last element (f_{L-1}, pending) at slot L-1, and a
+node at depth d, holding x_{L+d}, is the element (parent's predicted feature, x_{L+d}) at
+position L-1+d, written at slot L-1 + its block slot with tree attention over its
+ancestors. Those entries are stale after the round; the next window (max_depth+1 wide,
+since a round accepts at most max_depth drafts) rewrites everything from slot L on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
+from spec_jax.drafters.medusa import draw, tree_log_probs
+from spec_jax.kv_cache import KVCache, tree_mask
+from spec_jax.sampling import SamplingConfig
+from spec_jax.tree import (Expansion, StaticTree, TokenTree, check_dynamic_tree,
+                           grow_dynamic_tree, grow_static_tree, static_tree)
+
+
+def prompt_features(prompt: PromptInfo, dtype=None) -> jax.Array:
+  """[B, cache_len, D] target features by position, filled with the prompt's."""
+  hidden_BPD = prompt.target_hidden_BPD
+  if hidden_BPD is None:
+    raise ValueError("this drafter needs the target's hidden states (PromptInfo.target_hidden_BPD)")
+  batch, width, dim = hidden_BPD.shape
+  features_BSD = jnp.zeros((batch, prompt.cache_len, dim), dtype or hidden_BPD.dtype)
+  return features_BSD.at[:, :width].set(hidden_BPD.astype(features_BSD.dtype))
+
+
+def store_verified_features(features_BSD: jax.Array, outcome: RoundOutcome) -> jax.Array:
+  """Writes the verify pass's features at positions L..L+gamma, only those the target kept."""
+  hidden_BG1D = outcome.target_hidden_BG1D
+  if hidden_BG1D is None:
+    raise ValueError("this drafter needs the target's hidden states "
+                     "(RoundOutcome.target_hidden_BG1D)")
+  batch, width, _ = hidden_BG1D.shape
+  pos_BG1 = outcome.context.position_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+  slots_BG1 = jnp.where(pos_BG1 < outcome.new_target_length_B[:, None], pos_BG1,
+                        features_BSD.shape[1])  # beyond the kept tokens: dropped
+  return features_BSD.at[jnp.arange(batch)[:, None], slots_BG1].set(
+      hidden_BG1D.astype(features_BSD.dtype), mode="drop")
+
+
+def window_positions(position_B: jax.Array, width: int) -> jax.Array:
+  """[B, width] positions L-width .. L-1 (negative ones are padding, never stored)."""
+  return position_B[:, None] - width + jnp.arange(width, dtype=jnp.int32)[None, :]
+
+
+def gather_positions(x_BS, positions_BW):
+  """x[b, positions[b, w]] for [B, S] or [B, S, D] buffers, positions clipped into range."""
+  idx_BW = jnp.clip(positions_BW, 0, x_BS.shape[1] - 1)
+  if x_BS.ndim == 3:
+    return jnp.take_along_axis(x_BS, idx_BW[:, :, None], axis=1)
+  return jnp.take_along_axis(x_BS, idx_BW, axis=1)
+
+
+@struct.dataclass
+class EagleState:
+  cache: KVCache  # EAGLE's own; entries below length_B come from true target features
+  features_BSD: jax.Array  # target features by position, valid below the target's length
+
+
+def eagle_init(model, params, prompt: PromptInfo) -> EagleState:
+  features_BSD = prompt_features(prompt)
+  tokens_BP = prompt.tokens_BP
+  batch, width = tokens_BP.shape
+  next_BP = jnp.concatenate([tokens_BP[:, 1:], jnp.zeros((batch, 1), tokens_BP.dtype)], 1)
+  positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+  cache = model.init_cache(batch, prompt.cache_len)
+  _, _, cache = model.apply(params, features_BSD[:, :width], next_BP, positions_BP, cache)
+  # pairs (f_i, x_{i+1}) are exact for i < len-1; the pair at len-1 needs the first token
+  return EagleState(cache.with_length(prompt.lengths_B - 1), features_BSD)
+
+
+def eagle_window(model, params, state: EagleState, ctx: DraftContext, width: int):
+  """Runs the true-feature window L-width .. L-1 -> (logits [B,V] of d_1, predicted f_L [B,D],
+  cache). The caller sets the cache length (entries below L are then exact)."""
+  pos_BW = window_positions(ctx.position_B, width)
+  logits_BWV, feats_BWD, cache = model.apply(
+      params, gather_positions(state.features_BSD, pos_BW),
+      gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache)
+  return logits_BWV[:, -1], feats_BWD[:, -1], cache
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(Drafter):
+  model: object  # models.drafter_heads.EagleModel (hashable); params: HeadParams
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  def init(self, params, prompt: PromptInfo) -> EagleState:
+    return eagle_init(self.model, params, prompt)
+
+  def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int,
+              sampling: SamplingConfig, key: jax.Array):
+    pos_B = ctx.position_B
+    keys = jax.random.split(key, gamma)
+    root_logits_BV, root_feat_BD, cache = eagle_window(self.model, params, state, ctx, gamma + 1)
+    first_B, first_probs_BV = draw(keys[0], root_logits_BV, sampling)
+
+    def step(carry, inputs):
+      cache, feat_BD, token_B = carry
+      step_key, offset = inputs
+      logits_B1V, feat_B1D, cache = self.model.apply(params, feat_BD[:, None], token_B[:, None],
+                                                     (pos_B - 1 + offset)[:, None], cache)
+      next_B, probs_BV = draw(step_key, logits_B1V[:, 0], sampling)
+      return (cache, feat_B1D[:, 0], next_B), (next_B, probs_BV)
+
+    (cache, _, _), (rest_GB, rest_probs_GBV) = jax.lax.scan(
+        step, (cache, root_feat_BD, first_B),
+        (keys[1:], jnp.arange(1, gamma, dtype=jnp.int32)))
+    tokens_BG = jnp.concatenate([first_B[:, None], rest_GB.T], axis=1)
+    probs_BGV = None
+    if not sampling.is_greedy:
+      probs_BGV = jnp.concatenate([first_probs_BV[:, None], rest_probs_GBV.transpose(1, 0, 2)], 1)
+    return tokens_BG, probs_BGV, EagleState(cache.with_length(pos_B), state.features_BSD)
+
+  def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
+    return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleTreeDrafter(TreeDrafter):
+  """EAGLE-2-style dynamic tree (depth, top_k, nodes) unless `choices` (static paths) is given.
+
+  Children are ranked by the draft's log-probs (warped when sampling): the tree is a
+  deterministic function of the context, so tree verification with one-hot q is lossless.
+  """
+  model: object  # models.drafter_heads.EagleModel (hashable); params: HeadParams
+  depth: int = 4
+  top_k: int = 3
+  nodes: int = 16
+  choices: tuple | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  @property
+  def spec(self) -> StaticTree | None:
+    return None if self.choices is None else static_tree(self.choices)
+
+  @property
+  def num_nodes(self) -> int:
+    return self.nodes if self.choices is None else self.spec.num_nodes
+
+  @property
+  def max_depth(self) -> int:
+    return self.depth if self.choices is None else self.spec.max_depth
+
+  @property
+  def block_slots(self) -> int:
+    """EAGLE cache slots a round's tree uses from the root (slot L-1) on."""
+    return self.num_nodes if self.choices is not None else 1 + (self.depth - 1) * self.top_k
+
+  def check(self, target, gamma: int) -> None:
+    super().check(target, gamma)
+    if self.choices is None:
+      check_dynamic_tree(self.depth, self.top_k, self.nodes)
+    else:
+      self.spec  # validates the choices
+
+  def extra_slots(self, gamma: int) -> int:
+    return max(self.num_nodes, self.block_slots)
+
+  def init(self, params, prompt: PromptInfo) -> EagleState:
+    return eagle_init(self.model, params, prompt)
+
+  def propose_tree(self, params, state: EagleState, ctx: DraftContext,
+                   sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, EagleState]:
+    root_logits_BV, root_feat_BD, cache = eagle_window(self.model, params, state, ctx,
+                                                       self.max_depth + 1)
+    root_B = ctx.position_B - 1  # the root element (f_{L-1}, pending) sits at slot L-1
+    feats_BMD = jnp.zeros(root_feat_BD.shape[:1] + (self.block_slots,) + root_feat_BD.shape[1:],
+                          root_feat_BD.dtype).at[:, 0].set(root_feat_BD)
+
+    def expand(carry, level: Expansion):
+      cache, feats_BMD = carry
+      positions_BT = jnp.broadcast_to(root_B[:, None] + level.depth, level.tokens_BT.shape)
+      slots_BT = root_B[:, None] + jnp.asarray(level.block_ids)[None, :]
+      mask_BTS = tree_mask(root_B, level.ancestors_BTM, cache.max_len)
+      parent_feats_BTD = jnp.take_along_axis(feats_BMD, level.parent_block_BT[:, :, None], 1)
+      logits_BTV, feats_BTD, cache = self.model.apply(
+          params, parent_feats_BTD, level.tokens_BT, positions_BT, cache, slots_BT=slots_BT,
+          mask_BTS=mask_BTS)
+      feats_BMD = feats_BMD.at[:, level.block_ids].set(feats_BTD)
+      return tree_log_probs(logits_BTV, sampling), (cache, feats_BMD)
+
+    root_logp_BV = tree_log_probs(root_logits_BV, sampling)
+    if self.choices is None:
+      tree, (cache, _) = grow_dynamic_tree(root_logp_BV, ctx.pending_B, expand,
+                                           (cache, feats_BMD), depth=self.depth,
+                                           top_k=self.top_k, num_nodes=self.nodes)
+    else:
+      tree, (cache, _) = grow_static_tree(self.spec, root_logp_BV, ctx.pending_B, expand,
+                                          (cache, feats_BMD))
+    return tree, EagleState(cache.with_length(ctx.position_B), state.features_BSD)
+
+  def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
+    return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))

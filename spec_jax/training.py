@@ -1,0 +1,236 @@
+"""The one training loop: optax optimiser, a jitted step, orbax checkpoints, losses.
+
+Model-agnostic: params are any pytree of arrays (plain nested dicts are the most robust
+choice for checkpoints), the loss is a function of (params, batch, rng), and batches come
+from a function of the step number, so a resumed run sees the same data as an
+uninterrupted one and ends with identical params.
+
+    opt = make_optimizer(3e-3, warmup_steps=100, total_steps=2000)
+    state = TrainState.create(params, opt, jax.random.key(0))
+    step = make_train_step(loss_fn, opt)
+    state, info = train_loop(state, batch_fn, step, num_steps=2000, checkpoint_dir=...)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import struct
+
+Batch = Any
+LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+# ---- losses -----------------------------------------------------------------------------------
+
+def _masked_mean(values_BT: jax.Array, mask_BT: jax.Array | None) -> jax.Array:
+  if mask_BT is None:
+    return jnp.mean(values_BT)
+  mask_BT = mask_BT.astype(jnp.float32)
+  return jnp.sum(values_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
+
+
+def next_token_cross_entropy(logits_BTV: jax.Array, tokens_BT: jax.Array,
+                             mask_BT: jax.Array | None = None) -> jax.Array:
+  """Mean cross-entropy (nats) of logits[:, t] predicting tokens[:, t + 1].
+
+  `logits_BTV` are the model's outputs on `tokens_BT`; the last position has no target.
+  `mask_BT` marks the positions whose prediction counts (aligned with the logits).
+  """
+  logits_BSV = logits_BTV[:, :-1].astype(jnp.float32)
+  ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, tokens_BT[:, 1:])
+  return _masked_mean(ce_BS, None if mask_BT is None else mask_BT[:, :-1])
+
+
+def distillation_kl(student_logits_BTV: jax.Array, teacher_logits_BTV: jax.Array,
+                    mask_BT: jax.Array | None = None, temperature: float = 1.0) -> jax.Array:
+  """Forward KL(teacher || student) per position, masked mean, times temperature**2.
+
+  Forward KL makes the student put mass wherever the teacher does, which is what raises
+  speculative acceptance (sum_x min(p, q) = 1 - TV(p, q)); the T**2 factor keeps gradient
+  scale independent of the temperature (Hinton et al.). The teacher gets no gradient.
+  """
+  t = jnp.float32(temperature)
+  teacher_BTV = jax.lax.stop_gradient(teacher_logits_BTV).astype(jnp.float32) / t
+  log_p_BTV = jax.nn.log_softmax(teacher_BTV, axis=-1)
+  log_q_BTV = jax.nn.log_softmax(student_logits_BTV.astype(jnp.float32) / t, axis=-1)
+  kl_BT = jnp.sum(jnp.exp(log_p_BTV) * (log_p_BTV - log_q_BTV), axis=-1)
+  return _masked_mean(kl_BT, mask_BT) * t * t
+
+
+# ---- optimiser and state ------------------------------------------------------------------------
+
+def make_optimizer(learning_rate: float, warmup_steps: int, total_steps: int, *,
+                   weight_decay: float = 0.1, clip: float = 1.0, b1: float = 0.9,
+                   b2: float = 0.95, final_fraction: float = 0.1) -> optax.GradientTransformation:
+  """AdamW with linear warm-up then cosine decay to `final_fraction * learning_rate`, after
+  global-norm clipping. Weight decay applies to matrices only (not norms or biases)."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=learning_rate, warmup_steps=max(int(warmup_steps), 1),
+      decay_steps=max(int(total_steps), int(warmup_steps) + 1),
+      end_value=learning_rate * final_fraction)
+  decay_mask = lambda params: jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(clip),
+      optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array  # [] int32: steps taken
+  params: Any
+  opt_state: Any
+  rng: jax.Array  # a raw uint32 key (new-style typed keys do not checkpoint)
+
+  @classmethod
+  def create(cls, params, optimizer: optax.GradientTransformation, rng: jax.Array
+             ) -> "TrainState":
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+      rng = jax.random.key_data(rng)
+    return cls(jnp.int32(0), params, optimizer.init(params), rng)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation):
+  """-> jitted step(state, batch) -> (state, metrics); `state` is donated.
+
+  `loss_fn(params, batch, rng) -> (loss, metrics)`; metrics gain `loss` and `grad_norm`.
+  """
+  def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    rng, step_rng = jax.random.split(state.rng)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, batch, step_rng)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+    return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+  return jax.jit(step, donate_argnames=("state",))
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+def _manager(directory: str, *, max_to_keep: int, best_metric: str | None = None
+             ) -> ocp.CheckpointManager:
+  # Synchronous saves: the next (donating) step may reuse the buffers being written.
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True,
+      best_fn=(lambda m: m[best_metric]) if best_metric else None, best_mode="min",
+      keep_checkpoints_without_metrics=best_metric is None)
+  return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def _abstract(tree):
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def restore_latest(directory: str, like: TrainState) -> TrainState | None:
+  """The newest checkpoint in `directory`/latest shaped like `like`, or None."""
+  path = os.path.join(directory, "latest")
+  if not os.path.isdir(path):
+    return None
+  with _manager(path, max_to_keep=1) as mgr:
+    step = mgr.latest_step()
+    if step is None:
+      return None
+    return mgr.restore(step, args=ocp.args.StandardRestore(_abstract(like)))
+
+
+def restore_best(directory: str, like_params) -> tuple[Any, int] | None:
+  """(params, step) of the best checkpoint kept by a train_loop with `best_metric`."""
+  path = os.path.join(directory, "best")
+  if not os.path.isdir(path):
+    return None
+  with ocp.CheckpointManager(os.path.abspath(path)) as mgr:
+    step = mgr.latest_step()  # only one is kept
+    if step is None:
+      return None
+    return mgr.restore(step, args=ocp.args.StandardRestore(_abstract(like_params))), step
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+
+def _host(metrics: dict[str, jax.Array]) -> dict[str, float]:
+  return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def train_loop(state: TrainState, batch_fn: Callable[[int], Batch], train_step, *,
+               num_steps: int, checkpoint_dir: str | None = None, save_every: int = 500,
+               eval_fn: Callable[[Any], dict[str, float]] | None = None, eval_every: int = 0,
+               best_metric: str | None = None, tokens_per_step: int | None = None,
+               log_every: int = 10, progress: bool = True, desc: str = "train",
+               max_to_keep: int = 1) -> tuple[TrainState, dict[str, Any]]:
+  """Runs `train_step` until `state.step == num_steps`; returns (state, info).
+
+  With `checkpoint_dir`, resumes from `checkpoint_dir/latest` if a checkpoint is there
+  (the passed `state` then only provides shapes), and saves there every `save_every`
+  steps and at the end. `eval_fn(params) -> {name: value}` runs every `eval_every` steps
+  and at the end; with `best_metric` (lower is better) the params with the best value are
+  also kept in `checkpoint_dir/best` (read them back with `restore_best`).
+  `info` holds the last train metrics, the eval history, wall time and tokens/s.
+  """
+  if best_metric is not None and (eval_fn is None or checkpoint_dir is None):
+    raise ValueError("best_metric needs eval_fn and checkpoint_dir")
+  latest = best = None
+  if checkpoint_dir is not None:
+    restored = restore_latest(checkpoint_dir, state)
+    if restored is not None:
+      state = restored
+    latest = _manager(os.path.join(checkpoint_dir, "latest"), max_to_keep=max_to_keep)
+    if best_metric is not None:
+      best = _manager(os.path.join(checkpoint_dir, "best"), max_to_keep=1,
+                      best_metric=best_metric)
+  start = int(state.step)
+  info: dict[str, Any] = {"start_step": start, "evals": [], "train": {}}
+
+  def evaluate(step: int):
+    result = dict(eval_fn(state.params), step=step)
+    info["evals"].append(result)
+    if best is not None and step not in best.all_steps():  # a resumed, finished run re-evaluates
+      best.save(step, args=ocp.args.StandardSave(state.params), metrics=result)
+    return result
+
+  bar = None
+  if progress:
+    from tqdm.auto import tqdm
+    bar = tqdm(total=num_steps, initial=start, desc=desc, dynamic_ncols=True)
+  t0 = last_t = time.perf_counter()
+  last_step, metrics = start, None
+  for step in range(start, num_steps):
+    state, metrics = train_step(state, batch_fn(step))
+    done = step + 1
+    if done % log_every == 0 or done == num_steps:
+      info["train"] = _host(metrics)  # the only host sync: once per log_every steps
+      now = time.perf_counter()
+      if bar is not None:
+        postfix = {"loss": f"{info['train']['loss']:.3f}"}
+        if tokens_per_step:
+          postfix["tok/s"] = f"{tokens_per_step * (done - last_step) / (now - last_t):.0f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(done - last_step)
+      last_step, last_t = done, now
+    if eval_fn is not None and eval_every and done % eval_every == 0 and done != num_steps:
+      result = evaluate(done)
+      if bar is not None:
+        bar.write(f"{desc} step {done}: " + ", ".join(
+            f"{k}={v:.4f}" for k, v in result.items() if k != "step"))
+    if latest is not None and (done % save_every == 0 or done == num_steps):
+      latest.save(done, args=ocp.args.StandardSave(state), force=True)
+  if eval_fn is not None and (not info["evals"] or info["evals"][-1]["step"] != num_steps):
+    evaluate(num_steps)
+  if bar is not None:
+    bar.close()
+  for mgr in (latest, best):
+    if mgr is not None:
+      mgr.wait_until_finished()
+      mgr.close()
+  info["wall_s"] = time.perf_counter() - t0
+  if tokens_per_step and num_steps > start:
+    info["tokens_per_s"] = tokens_per_step * (num_steps - start) / info["wall_s"]
+  return state, info

@@ -1,0 +1,346 @@
+"""Trained drafters (Medusa, EAGLE, MTP): lossless before and after training, training helps,
+drafter caches stay exact, checkpoints restore and interrupted training resumes exactly.
+
+The corpus is stories260K's own sampled generations; training uses scripts/train_drafter.py's
+functions (the shared spec_jax.training loop underneath).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, STORIES_DIR, require_shared, tiny_llama
+from models.drafter_heads import HeadParams, shared_head
+from spec_jax.drafter_losses import shift_left, target_outputs
+from spec_jax.drafters.eagle import EagleTreeDrafter
+from spec_jax.drafters.medusa import MedusaTreeDrafter
+from spec_jax.generate import generate, pad_prompts
+from spec_jax.metrics import summarize
+from spec_jax.sampling import SamplingConfig
+from spec_jax.speculative import speculative_generate
+from spec_jax.training import restore_best, restore_latest
+from spec_jax.tree_speculative import tree_speculative_generate
+from test_speculative import (CACHE_TOL, DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, VOCAB,
+                              exact_joint, pvalue_vs_exact)
+
+
+def _load_script():
+  path = REPO / "scripts" / "train_drafter.py"
+  spec = importlib.util.spec_from_file_location("train_drafter", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["train_drafter"] = module  # dataclasses look their module up by name
+  spec.loader.exec_module(module)
+  return module
+
+
+td = _load_script()
+
+KINDS = ("medusa", "eagle", "mtp")
+HEADS = 3  # Medusa heads / MTP modules
+GAMMA = 3
+NEW = 40
+# Training budget, chosen once for the 2-core CI box: 64 sampled sequences of 64 tokens,
+# 200 AdamW steps of 8 sequences.
+CORPUS = dict(num_sequences=64, seq_len=64, heldout=8, seed=0, temperature=0.6)
+TRAIN = dict(steps=200, batch_size=8, learning_rate=1e-2, warmup_steps=20)
+MARGIN = 0.5  # trained must accept at least this many more drafts per round than untrained
+
+
+@pytest.fixture(scope="module")
+def story_reference(stories, story_prompts):
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  return prompts, generate(model, params, *prompts, max_new_tokens=NEW, eos_id=1)
+
+
+@pytest.fixture(scope="module")
+def corpus(stories):
+  model, params = stories
+  return td.generated_corpus(model, params, **CORPUS)
+
+
+@pytest.fixture(scope="module")
+def trained(stories, corpus):
+  """kind -> (spec, untrained params, trained params), each kind trained once, on demand."""
+  model, params = stories
+  done = {}
+
+  def get(kind):
+    if kind not in done:
+      spec = td.make_spec(kind, model, num_heads=HEADS)
+      trainer = td.Trainer(spec, model, params, corpus, **TRAIN)
+      own, info = trainer.run(progress=False)
+      done[kind] = (spec, trainer.initial_params(), own)
+    return done[kind]
+
+  return get
+
+
+def _generate(stories, spec, own, prompts, **kw):
+  model, params = stories
+  return speculative_generate(model, params, spec.drafter, spec.draft_params(own, model, params),
+                              *prompts, gamma=GAMMA, max_new_tokens=NEW, eos_id=1, **kw)
+
+
+# --- greedy identity and acceptance on stories260K -------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_identity_and_training_raises_acceptance(stories, story_reference, trained, kind):
+  prompts, reference = story_reference
+  spec, untrained, own = trained(kind)
+  results = {}
+  for name, p in (("untrained", untrained), ("trained", own)):
+    out = _generate(stories, spec, p, prompts)
+    assert np.array_equal(out.tokens, reference.tokens), name
+    assert np.array_equal(out.num_tokens, reference.num_tokens), name
+    m = summarize(out.metrics)
+    results[name] = (m["mean_accepted"], m["mean_accepted_with_bonus"])
+  print(f"\n{kind}: mean accepted (without, with bonus), gamma={GAMMA}: {results}")
+  assert results["trained"][0] >= results["untrained"][0] + MARGIN, results
+
+
+def _fresh_features(stories, seq):
+  model, params = stories
+  positions = np.broadcast_to(np.arange(seq.shape[1], dtype=np.int32), seq.shape)
+  _, hidden, _ = model.apply(params, seq, positions, model.init_cache(*seq.shape))
+  return hidden, positions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_drafter_cache_matches_a_fresh_pass_over_true_features(stories, story_reference, trained,
+                                                               kind):
+  """After generation the drafter's cache up to its length equals one teacher-forced pass
+  over the final tokens and the target's true features (drafts left no trace)."""
+  model, params = stories
+  prompts, _ = story_reference
+  spec, _, own = trained(kind)
+  out, cache, state = _generate(stories, spec, own, prompts, return_state=True)
+  seq = np.asarray(out.sequences)
+  final_B = np.asarray(prompts[1]) + np.asarray(out.num_tokens)  # tokens known, pending included
+  hidden, positions = _fresh_features(stories, seq)
+  head_params = spec.draft_params(own, model, params)
+  fresh_cache = spec.model.init_cache(*seq.shape)
+  if kind == "eagle":
+    _, _, fresh = spec.model.apply(head_params, hidden, shift_left(jnp.asarray(seq), 1),
+                                   positions, fresh_cache)
+  else:
+    _, fresh = spec.model.apply(head_params, hidden, seq, positions, fresh_cache)
+  lengths = np.asarray(state.cache.length_B)
+  for row, length in enumerate(lengths):
+    target_len = int(np.asarray(cache.length_B)[row])
+    np.testing.assert_allclose(state.features_BSD[row, :target_len], hidden[row, :target_len],
+                               err_msg=f"features, row {row}", **CACHE_TOL)
+    assert final_B[row] - 2 * GAMMA - 1 <= length <= final_B[row]
+    layers = 1 if kind == "eagle" else GAMMA
+    np.testing.assert_allclose(state.cache.k_LBSKH[:layers, row, :length],
+                               fresh.k_LBSKH[:layers, row, :length],
+                               err_msg=f"{kind} cache, row {row}", **CACHE_TOL)
+    np.testing.assert_allclose(state.cache.v_LBSKH[:layers, row, :length],
+                               fresh.v_LBSKH[:layers, row, :length],
+                               err_msg=f"{kind} cache, row {row}", **CACHE_TOL)
+
+
+TREES = {"medusa": lambda model: MedusaTreeDrafter(model, choices=(
+             (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))),
+         "eagle": lambda model: EagleTreeDrafter(model, depth=3, top_k=3, nodes=10)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(TREES))
+def test_tree_greedy_identity_with_trained_drafter(stories, story_reference, trained, kind):
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained(kind)
+  drafter = TREES[kind](spec.model)
+  out = tree_speculative_generate(model, params, drafter, spec.draft_params(own, model, params),
+                                  *prompts, max_new_tokens=NEW, eos_id=1)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  m = summarize(out.metrics)
+  print(f"\n{kind} tree ({drafter.num_nodes} nodes, depth {drafter.max_depth}): mean accepted "
+        f"{m['mean_accepted']:.3f} (+bonus {m['mean_accepted_with_bonus']:.3f})")
+  assert m["mean_accepted"] >= MARGIN  # the trained heads work through the tree too
+
+
+# --- exact distribution when sampling, untrained (random, nonzero) drafters -----------------
+
+@pytest.fixture(scope="module")
+def tiny_target():
+  return tiny_llama(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=32,
+                    seed=11)
+
+
+def _random_head(kind, target, seed=0, scale=0.5):
+  """An untrained drafter with every weight random and nonzero (Medusa starts as identity)."""
+  spec = td.make_spec(kind, target, num_heads=2)
+  own = spec.init_params(jax.random.key(seed))
+  leaves, treedef = jax.tree.flatten(own)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  return spec, jax.tree.unflatten(treedef, [
+      leaf + scale * jax.random.normal(k, leaf.shape, leaf.dtype) for leaf, k in zip(leaves, keys)])
+
+
+_JOINTS: dict = {}  # exact_joint runs eagerly (slow): once per sampling setting
+
+
+def _check_distribution(target, tp, out, sampling):
+  assert (np.asarray(out.num_tokens) == DEPTH).all()
+  if sampling not in _JOINTS:
+    _JOINTS[sampling] = exact_joint(target, tp, PROMPT, DEPTH, sampling)
+  assert pvalue_vs_exact(out.tokens, _JOINTS[sampling]) > SIGNIFICANCE
+  assert summarize(out.metrics)["mean_accepted"] > 0.1  # drafts were accepted, not only bonus
+
+
+@pytest.mark.parametrize("kind,sampling", [
+    ("medusa", SamplingConfig(1.0)), ("eagle", SamplingConfig(0.7, top_k=4)),
+    ("mtp", SamplingConfig(1.3, top_p=0.8))])
+def test_sampled_distribution_matches_target(tiny_target, kind, sampling):
+  target, tp = tiny_target
+  spec, own = _random_head(kind, target)
+  out = speculative_generate(target, tp, spec.drafter, spec.draft_params(own, target, tp),
+                             *pad_prompts([PROMPT] * SAMPLES), gamma=2, max_new_tokens=DEPTH,
+                             sampling=sampling, key=jax.random.key(1))
+  _check_distribution(target, tp, out, sampling)
+
+
+@pytest.mark.parametrize("kind", list(TREES))
+def test_tree_sampled_distribution_matches_target(tiny_target, kind):
+  target, tp = tiny_target
+  spec, own = _random_head(kind, target)
+  drafter = (MedusaTreeDrafter(spec.model, choices=((0,), (1,), (0, 0), (1, 0)))
+             if kind == "medusa" else EagleTreeDrafter(spec.model, depth=2, top_k=2, nodes=5))
+  sampling = SamplingConfig(1.0)
+  out = tree_speculative_generate(target, tp, drafter, spec.draft_params(own, target, tp),
+                                  *pad_prompts([PROMPT] * SAMPLES), max_new_tokens=DEPTH,
+                                  sampling=sampling, key=jax.random.key(2))
+  _check_distribution(target, tp, out, sampling)
+
+
+# --- losses: alignment, checked with oracle drafters that copy the target -----------------
+
+class _Oracle:
+  """Stands in for a drafter model: returns the target's own predictions, aligned as each
+  kind's convention says, so every token loss must be zero and every agreement one."""
+
+  def __init__(self, t, kind):
+    self.t, self.kind = t, kind
+
+  def init_cache(self, batch, length):
+    return None
+
+  def apply(self, params, *args, **kw):
+    logits, hidden = self.t.logits_BTV, self.t.hidden_BTD
+    if self.kind == "draft_model":
+      return logits, hidden, None
+    if self.kind == "medusa":  # head k (0-based) at t predicts x_{t+2+k}: target logits at t+1+k
+      return jnp.stack([shift_left(logits, 1 + k) for k in range(3)], axis=2)
+    if self.kind == "eagle":  # element t predicts f_{t+1} and x_{t+2}
+      return shift_left(logits, 1), shift_left(hidden, 1), None
+    return jnp.stack([shift_left(logits, k) for k in range(1, 4)]), None  # mtp module k: x_{i+k+1}
+
+
+class _BadMedusa:
+  def __init__(self, t):
+    self.t = t
+
+  def apply(self, params, hidden):
+    return jnp.stack([self.t.logits_BTV] * 3, axis=2)  # off by one: predicts x_{t+1}
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "medusa", "eagle", "mtp"])
+@pytest.mark.parametrize("token", ["kl", "ce"])
+def test_losses_are_aligned_with_each_kinds_convention(tiny_target, kind, token):
+  from spec_jax import drafter_losses as dl
+  target, tp = tiny_target
+  tokens = jax.random.randint(jax.random.key(0), (3, 10), 0, VOCAB)
+  t = target_outputs(target, tp, tokens)
+  loss_fn = {"draft_model": dl.draft_model_loss, "medusa": dl.medusa_loss, "eagle": dl.eagle_loss,
+             "mtp": dl.mtp_loss}[kind]
+  loss, metrics = loss_fn(_Oracle(t, kind), None, t, token=token)
+  for name, value in metrics.items():
+    if name.startswith("agree"):
+      assert float(value) == 1.0, (name, metrics)
+    if token == "kl" and "loss" in name:
+      assert abs(float(value)) < 1e-5, (name, metrics)
+  if kind == "eagle":
+    assert float(metrics["feature_loss"]) == 0.0
+  if token == "kl":
+    assert abs(float(loss)) < 1e-5
+  # a wrong alignment is caught: the target's unshifted logits for a later token
+  if kind == "medusa":
+    bad, bad_metrics = dl.medusa_loss(_BadMedusa(t), None, t, token=token)
+    assert float(bad_metrics["agree_1"]) < 1.0
+
+
+def test_fresh_medusa_heads_are_the_targets_head(tiny_target):
+  target, tp = tiny_target
+  spec = td.make_spec("medusa", target, num_heads=2)
+  own = spec.init_params(jax.random.key(0))
+  t = target_outputs(target, tp, jnp.asarray([[3, 1, 4, 1, 5, 2]]))
+  logits = spec.model.apply(HeadParams(own, shared_head(target, tp)), t.hidden_BTD)
+  for k in range(2):
+    np.testing.assert_allclose(logits[:, :, k], t.logits_BTV, rtol=1e-6, atol=1e-6)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+class Interrupted(RuntimeError):
+  pass
+
+
+@pytest.mark.slow
+def test_checkpoints_restore_and_interrupted_training_resumes_exactly(stories, corpus, tmp_path):
+  model, params = stories
+  spec = td.make_spec("eagle", model)
+  trainer = td.Trainer(spec, model, params, corpus, steps=12, batch_size=4, learning_rate=1e-2,
+                       warmup_steps=3)
+  kw = dict(save_every=5, eval_every=4, best_by="loss", progress=False)
+  whole, info = trainer.run(checkpoint_dir=str(tmp_path / "whole"), **kw)
+
+  restored = restore_latest(str(tmp_path / "whole"), trainer.initial_state())
+  assert int(restored.step) == 12
+  jax.tree.map(np.testing.assert_array_equal, restored.params, whole)
+  best_params, best_step = restore_best(str(tmp_path / "whole"), whole)
+  losses = {e["step"]: e["heldout_loss"] for e in info["evals"]}
+  assert sorted(losses) == [4, 8, 12] and best_step == min(losses, key=losses.get)
+  assert trainer.heldout_loss(best_params) == losses[best_step]
+
+  def crash_at_7(step):
+    if step == 7:
+      raise Interrupted
+    return trainer.batch(step)
+
+  with pytest.raises(Interrupted):  # dies after 7 steps; the last checkpoint is step 5
+    trainer.run(checkpoint_dir=str(tmp_path / "resumed"), batch_fn=crash_at_7, **kw)
+  resumed, resumed_info = trainer.run(checkpoint_dir=str(tmp_path / "resumed"), **kw)
+  assert resumed_info["start_step"] == 5
+  jax.tree.map(np.testing.assert_array_equal, resumed, whole)
+
+
+
+@pytest.mark.slow
+def test_command_line(tmp_path):
+  model = str(require_shared(STORIES_DIR / "stories260K.bin"))
+  args = ["--kind", "medusa", "--model", model, "--num-sequences", "8", "--heldout", "2",
+          "--seq-len", "16", "--steps", "4", "--save-every", "2", "--eval-every", "2",
+          "--best-by", "loss", "--eval-prompts", "2", "--eval-new-tokens", "8", "--gamma", "2",
+          "--checkpoint-dir", str(tmp_path / "ckpt")]
+  proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train_drafter.py"), *args],
+                        capture_output=True, text=True, timeout=600, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads(proc.stdout)
+  assert report["start_step"] == 0 and [e["step"] for e in report["evals"]] == [2, 4]
+  for name in ("untrained", "trained", "best"):
+    assert report[name]["mean_accepted_with_bonus"] == report[name]["mean_accepted"] + 1
+  assert "tok/s" in proc.stderr  # the progress bar
+  assert {"drafter.json", "latest", "best"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
