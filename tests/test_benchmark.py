@@ -1,0 +1,129 @@
+"""scripts/benchmark.py --quick end to end, and the synthetic (engine-only) drafter's pieces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax.drafters.synthetic import (CoinVerifier, expected_tokens_per_round,
+                                         predicted_speedup)
+from spec_jax.sampling import SamplingConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300  # ~60 s on a quiet 2-core machine; a shared one is slower
+ROW_FIELDS = ("label", "method", "tokens_per_s", "speedup", "compile_s", "run_s", "warmup_s",
+              "identical", "recompilations")
+SPEC_FIELDS = ("mean_accepted", "mean_accepted_with_bonus", "acceptance_rate", "accept_hist")
+S3_FIELDS = ("alpha", "alpha_measured", "expected_tokens_per_round", "predicted_speedup",
+             "engine_efficiency", "t_target_s", "t_draft_s", "t_verify_s")
+
+
+def _strict_json(text: str):
+  def reject(constant):
+    raise ValueError(f"non-standard JSON constant {constant}")
+  return json.loads(text, parse_constant=reject)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--quick", "--out", str(out)],
+                        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+  return out, _strict_json((out / "results.json").read_text()), proc.stdout
+
+
+def _ok_rows(scenario: dict) -> list[dict]:
+  return [r for r in scenario["rows"] if "error" not in r]
+
+
+def _check_rows(rows: list[dict]):
+  for row in rows:
+    for field in ROW_FIELDS:
+      assert field in row, f"{row['label']}: no {field}"
+    assert row["tokens_per_s"] > 0 and row["run_s"] > 0 and row["speedup"] > 0, row["label"]
+    if row.get("engine") == "hf":
+      continue  # eager PyTorch: no compile, no acceptance statistics
+    assert row["compile_s"] > 0 and row["recompilations"] == 0, row["label"]
+    if row["method"] == "speculative":
+      for field in SPEC_FIELDS:
+        assert field in row, f"{row['label']}: no {field}"
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_json_markdown_and_plots(quick_run):
+  out, data, stdout = quick_run
+  machine = data["machine"]
+  for field in ("cpu_model", "cpu_count", "jax", "jax_backend", "jax_devices", "dtype", "date"):
+    assert machine[field], field
+  assert data["config"]["quick"] is True
+  assert set(data["scenarios"]) == {"1", "2", "3", "4", "5"}
+  assert data["recompilations"] == 0
+  for key, scenario in data["scenarios"].items():
+    assert scenario["status"] in ("ok", "skipped"), (key, scenario.get("note"))
+    if scenario["status"] == "skipped":
+      assert scenario["note"], key
+      assert key in ("1", "2", "4"), f"scenario {key} needs nothing optional; it must run"
+      continue
+    _check_rows(_ok_rows(scenario))
+  if data["errors"]:  # a broken drafter is its own tests' business; say so, don't hide it
+    warnings.warn(f"benchmark rows that failed: {data['errors']}")
+  for name in ("results.md", "speedup_vs_gamma.png", "accepted_lengths.png"):
+    assert (out / name).stat().st_size > 0, name
+  assert (out / "results.md").read_text().startswith("# spec_jax benchmark")
+
+
+@pytest.mark.slow
+def test_quick_benchmark_scenario_contents(quick_run):
+  _, data, _ = quick_run
+  s = data["scenarios"]
+  if s["1"]["status"] == "ok":
+    rows = _ok_rows(s["1"])
+    assert any(r["method"] == "speculative" for r in rows)
+    assert all(r["identical"] is True for r in rows), "greedy speculative must equal autoregressive"
+    sanity = [r for r in rows if "target itself" in r["label"]]
+    assert all(r["acceptance_rate"] == 1.0 for r in sanity)
+  spec = [r for r in _ok_rows(s["3"]) if r["method"] == "speculative"]
+  assert spec
+  for row in spec:
+    for field in S3_FIELDS:
+      assert row[field] is not None, field
+    assert row["identical"] is None  # lossy by design
+  assert s["3"]["costs"]["target_step"]["step_s"] > 0
+  roofline = s["5"]["roofline"]
+  assert roofline["ratio"] > 0 and isinstance(roofline["meets_target"], bool)
+  if s["4"]["status"] == "ok":
+    for model in s["4"]["models"]:
+      assert set(model["ours_over_hf"]) == {"plain", "draft_model", "prompt_lookup"}
+      assert all(v is True for v in model["identical_to_hf"].values()), model["identical_to_hf"]
+
+
+def test_coin_verifier_keeps_a_truncated_geometric_prefix():
+  alpha, gamma, batch = 0.7, 4, 20000
+  drafts = jnp.zeros((batch, gamma), jnp.int32)
+  logits = jax.random.normal(jax.random.key(1), (batch, gamma + 1, 11))
+  n, nxt = CoinVerifier(alpha)(drafts, None, logits, SamplingConfig(), jax.random.key(0))
+  n = np.asarray(n)
+  freq = np.bincount(n, minlength=gamma + 1) / batch
+  want = np.array([alpha ** k * (1 - alpha) for k in range(gamma)] + [alpha ** gamma])
+  np.testing.assert_allclose(freq, want, atol=0.015)
+  np.testing.assert_allclose(n.mean() + 1, expected_tokens_per_round(alpha, gamma), atol=0.03)
+  argmax = np.asarray(jnp.argmax(logits, -1))
+  np.testing.assert_array_equal(np.asarray(nxt), argmax[np.arange(batch), n])
+
+
+def test_predicted_speedup_formula():
+  assert expected_tokens_per_round(1.0, 3) == 4.0
+  assert expected_tokens_per_round(0.0, 3) == 1.0
+  # free drafts and a verify as cheap as a step: the speed-up is E itself
+  assert predicted_speedup(0.5, 2, 1.0, 0.0, 1.0) == pytest.approx(1.75)
+  with pytest.raises(ValueError):
+    CoinVerifier(1.5)
