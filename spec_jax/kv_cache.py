@@ -45,11 +45,9 @@ def write_rows(cache_LBSKH: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Arr
   One scatter into the stacked buffer, so under jit (and in a loop carry) it updates in
   place instead of copying the whole cache every step.
   """
-  def write_row(cache_LSKH, slots_T, values_TKH):
-    return cache_LSKH.at[layer, slots_T].set(values_TKH.astype(cache_LSKH.dtype), mode="drop")
-  # vmap over rows: a scatter with a batch dimension, local to each shard when the batch is
-  # sharded over `data` (an explicit batch index would gather across shards)
-  return jax.vmap(write_row, in_axes=(1, 0, 0), out_axes=1)(cache_LBSKH, slots_BT, values_BTKH)
+  batch_idx = jnp.arange(cache_LBSKH.shape[1])[:, None]
+  return cache_LBSKH.at[layer, batch_idx, slots_BT].set(
+      values_BTKH.astype(cache_LBSKH.dtype), mode="drop")
 
 
 def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
