@@ -78,6 +78,7 @@ class Plan:
       vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8, hidden_dim=2816))
   s3_draft: dict = dataclasses.field(default_factory=lambda: dict(
       vocab_size=32000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688))
+  s3_dtype: str = "float32"  # bfloat16 on GPU/TPU (bf16 matmuls are slow on CPU)
   s3_alphas: tuple[float, ...] = (0.6, 0.8, 0.9)
   s3_gammas: tuple[int, ...] = (2, 4, 6)
   s3_new: int = 128
@@ -95,6 +96,16 @@ QUICK = Plan(
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
     s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4,
     s4_models=("stories260K-shaped",), s4_gamma=3, s4_new=16)
+
+# --target-size presets for scenarios 3 and 5 (a few billion parameters is for accelerators)
+TARGET_SIZES = {
+    "300M": dict(vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8,
+                 hidden_dim=2816),
+    "1B": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+               hidden_dim=5632),
+    "3B": dict(vocab_size=32000, dim=3072, n_layers=26, n_heads=24, n_kv_heads=8,
+               hidden_dim=8192),
+}
 
 S4_MODELS = {  # name: (target config, draft config); vocab shared
     "stories260K-shaped": (dict(vocab_size=512, dim=64, n_layers=5, n_heads=8, n_kv_heads=4,
@@ -156,7 +167,7 @@ def describe_machine() -> dict:
       "load_average_start": list(os.getloadavg()), "platform": platform.platform(),
       "python": platform.python_version(), "jax": jax.__version__,
       "jax_backend": jax.default_backend(), "jax_devices": [str(d) for d in jax.devices()],
-      "dtype": "float32", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      "dtype": "float32 (scenarios 3 and 5: see config.plan.s3_dtype)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "packages": package_versions(),
       "note": "shared machine: other processes may have used the CPU; compare ratios measured "
@@ -544,8 +555,8 @@ def memory_bound_pair(plan: Plan, ctx: dict):
   """The ~300M target and its small draft (shared by scenarios 3 and 5)."""
   if "s3_pair" not in ctx:
     log(f"building random target {plan.s3_target} and draft {plan.s3_draft} ...")
-    target = random_model(0, **plan.s3_target)
-    draft = random_model(1, **plan.s3_draft)
+    target = random_model(0, dtype=plan.s3_dtype, **plan.s3_target)
+    draft = random_model(1, dtype=plan.s3_dtype, **plan.s3_draft)
     jax.block_until_ready((target[1], draft[1]))
     ctx["s3_pair"] = (target, draft)
   return ctx["s3_pair"]
@@ -745,9 +756,10 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
   (target, params), _ = memory_bound_pair(plan, ctx)
   nbytes = param_bytes(params)
   n = 1024
-  m = max(1, nbytes // 4 // n)
-  w_NM = jnp.ones((n, m), jnp.float32) * 1e-3
-  x_N = jnp.ones((n,), jnp.float32)
+  itemsize = jnp.dtype(plan.s3_dtype).itemsize
+  m = max(1, nbytes // itemsize // n)
+  w_NM = jnp.ones((n, m), plan.s3_dtype) * 1e-3
+  x_N = jnp.ones((n,), plan.s3_dtype)
   step_thunk, step_info = target_step_loop(plan, ctx)
   thunks = {"matvec": lambda: _matvec(x_N, w_NM), "tree_sum": lambda: _tree_sum(params),
             "step_loop": step_thunk}
@@ -967,6 +979,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--scenarios", default="1,2,3,4,5", help="comma-separated, e.g. 1,3")
   p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's run)")
   p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; quick 3)")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="dtype of the scenario 3/5 models (default float32; use bfloat16 on GPU/TPU)")
+  p.add_argument("--target-size", default=None, choices=sorted(TARGET_SIZES),
+                 help="scenario 3/5 target shape (default 300M; 1B/3B for accelerators)")
   p.add_argument("--compile-workers", type=int, default=None,
                  help="programs compiled at once (default 1; quick 2, whose compile_s are then "
                       "contended wall times)")
@@ -990,6 +1006,10 @@ def main(argv=None) -> int:
     plan = dataclasses.replace(plan, repeats=max(1, args.repeats))
   if args.compile_workers is not None:
     plan = dataclasses.replace(plan, compile_workers=max(1, args.compile_workers))
+  if args.dtype is not None:
+    plan = dataclasses.replace(plan, s3_dtype=args.dtype)
+  if args.target_size is not None:
+    plan = dataclasses.replace(plan, s3_target=TARGET_SIZES[args.target_size])
   start = time.perf_counter()
   results = {"machine": describe_machine(),
              "config": {"quick": args.quick, "repeats": plan.repeats, "scenarios": args.scenarios,
