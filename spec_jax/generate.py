@@ -113,6 +113,15 @@ def budgets_array(max_new_tokens: int, budgets_B, batch_size: int) -> np.ndarray
   return budgets
 
 
+def key_and_eos(sampling: SamplingConfig, key, eos_id: int | None) -> tuple[jax.Array, int]:
+  """The PRNG key (required when sampling; greedy needs none) and the EOS id (NO_EOS if None)."""
+  if key is None:
+    if not sampling.is_greedy:
+      raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    key = jax.random.key(0)
+  return key, NO_EOS if eos_id is None else int(eos_id)
+
+
 def prefill(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
   """Runs the prompts through the model -> (last-position logits [B,V], hidden [B,P,D], cache)."""
   batch, width = tokens_BP.shape
@@ -235,11 +244,7 @@ def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max
       model, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
-  if key is None:
-    if not sampling.is_greedy:
-      raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    key = jax.random.key(0)
-  eos = NO_EOS if eos_id is None else int(eos_id)
+  key, eos = key_and_eos(sampling, key, eos_id)
   out, cache = _generate_jit(model, params, tokens, lengths, budgets, jnp.int32(eos),
                              jnp.int32(pad_id), key, max_new_tokens=int(max_new_tokens),
                              cache_len=cache_len, sampling=sampling)

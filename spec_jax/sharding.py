@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax.drafters.draft_model import DraftModelDrafter
-from spec_jax.generate import NO_EOS, _generate_jit, budgets_array, check_generation_args
+from spec_jax.generate import _generate_jit, budgets_array, check_generation_args, key_and_eos
 from spec_jax.kv_cache import KVCache
 from spec_jax.sampling import SamplingConfig
 from spec_jax.speculative import SpeculativeProgram, _speculative_jit, prepare
@@ -357,12 +357,8 @@ def _host_inputs(model, tokens, lengths, *, max_new_tokens, budgets_B, key, samp
   tokens, lengths, cache_len = check_generation_args(
       model, tokens, lengths, max_new_tokens=max_new_tokens, cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
-  if key is None:
-    if not sampling.is_greedy:
-      raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    key = jax.random.key(0)
-  eos = np.int32(NO_EOS if eos_id is None else int(eos_id))
-  return tokens, lengths, budgets, eos, np.int32(pad_id), key, cache_len
+  key, eos = key_and_eos(sampling, key, eos_id)
+  return tokens, lengths, budgets, np.int32(eos), np.int32(pad_id), key, cache_len
 
 
 def _place_inputs(mesh, rules, tokens, lengths, budgets, eos, pad, key):

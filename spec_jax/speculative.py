@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
-from spec_jax.generate import (NO_EOS, CausalLM, GenerationOutput, budgets_array,
+from spec_jax.generate import (CausalLM, GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
-                               initial_buffer, prefill, tokens_to_emit, write_tokens)
+                               initial_buffer, key_and_eos, prefill, tokens_to_emit,
+                               write_tokens)
 from spec_jax.kv_cache import KVCache
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import SamplingConfig
@@ -163,11 +164,7 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
       target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
-  if key is None:
-    if not sampling.is_greedy:
-      raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    key = jax.random.key(0)
-  eos = NO_EOS if eos_id is None else int(eos_id)
+  key, eos = key_and_eos(sampling, key, eos_id)
   program = SpeculativeProgram(target, drafter, gamma, int(max_new_tokens), cache_len, sampling,
                                verifier)
   return program, (tokens, lengths, budgets, jnp.int32(eos), jnp.int32(pad_id), key)

@@ -286,3 +286,29 @@ def grow_static_tree(spec: StaticTree, root_logp_BV: jax.Array, pending_B: jax.A
     logp_BTV, carry = expand_fn(carry, expansion)
     children_BTK = jax.lax.top_k(logp_BTV, width)[1]
   return spec.tree(tokens_BN), carry
+
+
+class TreeShape:
+  """Shape properties for tree drafters with fields depth, top_k, nodes and choices.
+
+  `choices` (Medusa-style paths) gives a static tree and fixes the shape; otherwise the tree
+  is grown dynamically to `nodes` nodes (root included), `depth` levels, `top_k` per parent.
+  """
+
+  @property
+  def spec(self) -> "StaticTree | None":
+    return None if self.choices is None else static_tree(self.choices)
+
+  @property
+  def num_nodes(self) -> int:
+    return self.nodes if self.choices is None else self.spec.num_nodes
+
+  @property
+  def max_depth(self) -> int:
+    return self.depth if self.choices is None else self.spec.max_depth
+
+  @property
+  def tree_block(self) -> int:
+    """Slots a round's tree occupies in the drafter's own block: all nodes of a static tree,
+    the root plus top_k children per level of a dynamic one."""
+    return self.num_nodes if self.choices is not None else 1 + (self.depth - 1) * self.top_k

@@ -28,8 +28,8 @@ from flax import struct
 from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.kv_cache import KVCache, tree_mask
 from spec_jax.sampling import SamplingConfig, warp_logits
-from spec_jax.tree import (Expansion, StaticTree, TokenTree, check_dynamic_tree,
-                           grow_dynamic_tree, grow_static_tree, static_tree)
+from spec_jax.tree import (Expansion, TokenTree, TreeShape, check_dynamic_tree,
+                           grow_dynamic_tree, grow_static_tree)
 
 
 @struct.dataclass
@@ -38,7 +38,7 @@ class DraftTreeState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelTreeDrafter(TreeDrafter):
+class DraftModelTreeDrafter(TreeShape, TreeDrafter):
   """Dynamic tree (depth, top_k, nodes) unless `choices` (Medusa-style paths) is given.
 
   Dynamic: each depth expands the top_k best frontier nodes by cumulative draft log-prob;
@@ -56,22 +56,9 @@ class DraftModelTreeDrafter(TreeDrafter):
     return self.model.vocab_size
 
   @property
-  def spec(self) -> StaticTree | None:
-    return None if self.choices is None else static_tree(self.choices)
-
-  @property
-  def num_nodes(self) -> int:
-    return self.nodes if self.choices is None else self.spec.num_nodes
-
-  @property
-  def max_depth(self) -> int:
-    return self.depth if self.choices is None else self.spec.max_depth
-
-  @property
   def block_slots(self) -> int:
     """Draft cache slots a round uses from the root on (block, or catch-up past the root)."""
-    block = self.num_nodes if self.choices is not None else 1 + (self.depth - 1) * self.top_k
-    return max(block, self.max_depth + 1)
+    return max(self.tree_block, self.max_depth + 1)
 
   def check(self, target, gamma: int) -> None:
     super().check(target, gamma)

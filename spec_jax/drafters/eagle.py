@@ -40,8 +40,8 @@ from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutco
 from spec_jax.drafters.medusa import draw, tree_log_probs
 from spec_jax.kv_cache import KVCache, tree_mask
 from spec_jax.sampling import SamplingConfig
-from spec_jax.tree import (Expansion, StaticTree, TokenTree, check_dynamic_tree,
-                           grow_dynamic_tree, grow_static_tree, static_tree)
+from spec_jax.tree import (Expansion, TokenTree, TreeShape, check_dynamic_tree,
+                           grow_dynamic_tree, grow_static_tree)
 
 
 def prompt_features(prompt: PromptInfo, dtype=None) -> jax.Array:
@@ -149,7 +149,7 @@ class EagleDrafter(Drafter):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleTreeDrafter(TreeDrafter):
+class EagleTreeDrafter(TreeShape, TreeDrafter):
   """EAGLE-2-style dynamic tree (depth, top_k, nodes) unless `choices` (static paths) is given.
 
   Children are ranked by the draft's log-probs (warped when sampling): the tree is a
@@ -166,21 +166,9 @@ class EagleTreeDrafter(TreeDrafter):
     return self.model.vocab_size
 
   @property
-  def spec(self) -> StaticTree | None:
-    return None if self.choices is None else static_tree(self.choices)
-
-  @property
-  def num_nodes(self) -> int:
-    return self.nodes if self.choices is None else self.spec.num_nodes
-
-  @property
-  def max_depth(self) -> int:
-    return self.depth if self.choices is None else self.spec.max_depth
-
-  @property
   def block_slots(self) -> int:
     """EAGLE cache slots a round's tree uses from the root (slot L-1) on."""
-    return self.num_nodes if self.choices is not None else 1 + (self.depth - 1) * self.top_k
+    return self.tree_block
 
   def check(self, target, gamma: int) -> None:
     super().check(target, gamma)
