@@ -47,3 +47,15 @@ def test_bad_flags_fail_clearly():
   assert proc.returncode != 0 and "gamma" in proc.stderr
   proc = run_cli("hi", "--model", model, "--top-p", "1.5")
   assert proc.returncode != 0 and "top_p" in proc.stderr
+
+
+def test_main_job_on_the_builtin_pair():
+  """The README's first command: the built-in pair, speculative, compared with autoregressive."""
+  proc = run_cli("def fibonacci(n):", "--compare", "--json", "--max-new-tokens", "48")
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads(proc.stdout)
+  assert report["drafter"] == "draft_model"
+  assert report["identical_to_autoregressive"] is True
+  assert report["texts"][0].startswith("def fibonacci(n):")
+  assert report["mean_accepted"] > 0.5  # the distilled draft does agree with its target
+  assert 1 <= report["tokens"] <= 48  # EOS may end the row early
