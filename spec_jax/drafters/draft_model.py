@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
+from spec_jax.generate import prefill
 from spec_jax.kv_cache import KVCache
 from spec_jax.sampling import SamplingConfig, sample, warped_probs
 
@@ -39,11 +40,10 @@ class DraftModelDrafter(Drafter):
       raise ValueError("draft model has no context")
 
   def init(self, params, prompt: PromptInfo) -> DraftModelState:
-    batch, width = prompt.tokens_BP.shape
-    positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    cache = self.model.init_cache(batch, prompt.cache_len)
-    _, _, cache = self.model.apply(params, prompt.tokens_BP, positions_BP, cache)
-    return DraftModelState(cache.with_length(prompt.lengths_B))
+    # the target's own prefill, run on the draft model (its last logits are unused)
+    _, _, cache = prefill(self.model, params, prompt.tokens_BP, prompt.lengths_B,
+                          prompt.cache_len)
+    return DraftModelState(cache)
 
   def propose(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome, TreeDrafter
+from spec_jax.generate import prefill
 from spec_jax.kv_cache import KVCache, tree_mask
 from spec_jax.sampling import SamplingConfig, warp_logits
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, check_dynamic_tree,
@@ -71,11 +72,10 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
     return max(self.num_nodes, self.block_slots)
 
   def init(self, params, prompt: PromptInfo) -> DraftTreeState:
-    batch, width = prompt.tokens_BP.shape
-    positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    cache = self.model.init_cache(batch, prompt.cache_len)
-    _, _, cache = self.model.apply(params, prompt.tokens_BP, positions_BP, cache)
-    return DraftTreeState(cache.with_length(prompt.lengths_B))
+    # the target's own prefill, run on the draft model (its last logits are unused)
+    _, _, cache = prefill(self.model, params, prompt.tokens_BP, prompt.lengths_B,
+                          prompt.cache_len)
+    return DraftTreeState(cache)
 
   def _log_probs(self, logits, sampling: SamplingConfig):
     # greedy warping is one-hot, which would leave nothing to rank the other children by
