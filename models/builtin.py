@@ -3,13 +3,17 @@
 Both were trained by `scripts/train.py` on the Python standard library's own source and
 ship in `models/builtin/`:
 
-    target.safetensors, draft.safetensors   weights in bfloat16, our flat parameter names
+    target.safetensors, draft.safetensors   weights (see below), our flat parameter names
     target.json, draft.json                 LlamaConfig fields (+ "format": FORMAT)
     tokenizer.json, tokenizer_config.json   byte-level BPE; <|endoftext|> separates files
     training.json, README.md                recipe, sizes, losses, wall times, measurements
 
-bfloat16 halves the files; the loader casts to float32 by default because bfloat16
-matmuls are several times slower than float32 on CPUs.
+Storage: every matrix is int8 with a float32 scale per output channel (`<name>.scale`,
+broadcastable against it: max |w| / 127 over the contraction axis); vectors (norm scales)
+are bfloat16. That is a quarter of float32, so the pair ships in a few MB. The stored
+values *are* the model: `scripts/train.py` distils the draft from the target as loaded back
+from its file, and the loader dequantizes to float32 by default because bfloat16 and int8
+matmuls are slower than float32 on CPUs.
 """
 
 from __future__ import annotations
@@ -30,17 +34,62 @@ from models.tokenizer import HFTokenizer, TokenizerError, check_vocab_compatible
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 FORMAT = "spec_jax-builtin"
-STORED_DTYPE = ml_dtypes.bfloat16
+VECTOR_DTYPE = ml_dtypes.bfloat16
+SCALE_SUFFIX = ".scale_int8"
+EMBED = "embed"  # [vocab, dim]: looked up by row and, tied, the head contracts over dim
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 REBUILD_HINT = "rebuild it with `python scripts/train.py --out models/builtin`"
 
 
+def quantize_tensor(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+  """-> the stored tensors for one parameter: int8 + per-output-channel scale, or bfloat16."""
+  w = np.asarray(w, np.float32)
+  if w.ndim != 2:
+    return {name: np.ascontiguousarray(w.astype(VECTOR_DTYPE))}
+  contraction_axis = 1 if name == EMBED else 0  # kernels are [in, out]
+  scale = np.max(np.abs(w), axis=contraction_axis, keepdims=True) / 127.0
+  scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+  q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+  return {name: np.ascontiguousarray(q), name + SCALE_SUFFIX: np.ascontiguousarray(scale)}
+
+
+def dequantize_tensors(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+  """Inverse of quantize_tensor over a whole file -> float32 arrays by parameter name."""
+  flat = {}
+  for name, arr in tensors.items():
+    if name.endswith(SCALE_SUFFIX):
+      if name[:-len(SCALE_SUFFIX)] not in tensors:
+        raise CheckpointError(f"{source}: scale {name} has no int8 tensor")
+      continue
+    if arr.dtype == np.int8:
+      scale = tensors.get(name + SCALE_SUFFIX)
+      if scale is None:
+        raise CheckpointError(f"{source}: int8 tensor {name} has no {name + SCALE_SUFFIX}")
+      if scale.ndim != arr.ndim or any(s not in (1, a) for s, a in zip(scale.shape, arr.shape)):
+        raise CheckpointError(f"{source}: scale {scale.shape} of {name} does not broadcast "
+                              f"against {arr.shape}")
+      flat[name] = arr.astype(np.float32) * scale.astype(np.float32)
+    else:
+      flat[name] = arr.astype(np.float32)
+  return flat
+
+
+def stored_params(model: LlamaModel, params):
+  """The params as they come back from save_model: what the shipped model computes with."""
+  flat = {}
+  for name, leaf in params_to_flat(params).items():
+    flat.update(quantize_tensor(name, leaf))
+  return params_from_flat(model, dequantize_tensors(flat, "stored params"),
+                          source="stored params")
+
+
 def save_model(folder: str | Path, name: str, model: LlamaModel, params) -> None:
-  """Writes `name.safetensors` (bfloat16) and `name.json` (the config) into `folder`."""
+  """Writes `name.safetensors` (int8 matrices, see the module doc) and `name.json` (the config)."""
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
-  tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(STORED_DTYPE))
-             for k, v in params_to_flat(params).items()}
+  tensors = {}
+  for key, leaf in params_to_flat(params).items():
+    tensors.update(quantize_tensor(key, leaf))
   config = dataclasses.asdict(model.config) | {"dtype": "float32", "format": FORMAT}
   tmp = folder / f"{name}.safetensors.tmp"
   safetensors.numpy.save_file(tensors, str(tmp), metadata={"format": FORMAT})
@@ -80,8 +129,8 @@ def load_model(folder: str | Path, name: str, *, dtype: str = "float32"
     raise CheckpointError(f"{folder}: missing {', '.join(missing)}; {REBUILD_HINT}")
   model = LlamaModel(_read_config(folder / f"{name}.json", dtype))
   path = folder / f"{name}.safetensors"
-  flat = _read_tensors(path)
-  if not all(np.all(np.isfinite(a.astype(np.float32))) for a in flat.values()):
+  flat = dequantize_tensors(_read_tensors(path), str(path))
+  if not all(np.all(np.isfinite(a)) for a in flat.values()):
     raise CheckpointError(f"{path}: non-finite weights; {REBUILD_HINT}")
   return model, params_from_flat(model, flat, source=str(path))
 

@@ -222,3 +222,27 @@ def test_shipped_pair_is_lossless_on_code():
                               tokens, lengths, gamma=4, max_new_tokens=32)
   np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
   assert int(spec.metrics.rounds) < 32  # the draft is accepted some of the time
+
+
+def test_builtin_storage_quantizes_matrices_per_output_channel(quick_pair, tmp_path):
+  from models.builtin import SCALE_SUFFIX, dequantize_tensors, quantize_tensor
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((48, 40)).astype(np.float32) * np.linspace(0.1, 3, 40)
+  stored = quantize_tensor("layers.0.mlp.w_up.kernel", w)
+  q, scale = stored["layers.0.mlp.w_up.kernel"], stored["layers.0.mlp.w_up.kernel" + SCALE_SUFFIX]
+  assert q.dtype == np.int8 and scale.shape == (1, 40)  # one scale per output column
+  back = dequantize_tensors(stored, "test")["layers.0.mlp.w_up.kernel"]
+  assert np.all(np.abs(back - w) <= scale / 2 + 1e-7)
+  embed = quantize_tensor("embed", w)
+  assert embed["embed" + SCALE_SUFFIX].shape == (48, 1)  # per token row: the tied head's outputs
+  assert quantize_tensor("final_norm.scale", w[0])["final_norm.scale"].dtype != np.int8
+  with pytest.raises(CheckpointError, match="has no"):
+    dequantize_tensors({"embed": q}, "test")
+  # the quick pair's files hold int8 matrices and load to float32 exactly as dequantized
+  import safetensors.numpy
+  raw = safetensors.numpy.load_file(str(quick_pair / "target.safetensors"))
+  assert raw["embed"].dtype == np.int8 and ("embed" + SCALE_SUFFIX) in raw
+  _, params, *_ = load_builtin(quick_pair)
+  from models.params_io import params_to_flat
+  np.testing.assert_array_equal(np.asarray(params_to_flat(params)["embed"]),
+                                raw["embed"].astype(np.float32) * raw["embed" + SCALE_SUFFIX])
