@@ -23,7 +23,10 @@ from spec_jax.metrics import summarize
 from spec_jax.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 
-from spec_jax.drafters.factory import KINDS as DRAFTER_KINDS, make_drafter as build_drafter
+from spec_jax.drafters.base import TreeDrafter
+from spec_jax.drafters.factory import KINDS as DRAFTER_KINDS, TreeOptions
+from spec_jax.drafters.factory import make_drafter as build_drafter
+from spec_jax.tree_speculative import tree_speculative_generate
 
 DRAFT_KINDS = DRAFTER_KINDS + ("none",)
 
@@ -40,6 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "none = autoregressive)")
   p.add_argument("--draft-model", default=None, help="checkpoint of the draft model for --draft model")
   p.add_argument("--draft-layers", type=int, default=None, help="layers kept by --draft layer_skip")
+  p.add_argument("--draft-checkpoint", default=None,
+                 help="folder of a trained drafter (scripts/train_drafter.py --export-dir) for "
+                      "--draft medusa/eagle/mtp (or draft_model)")
+  p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES",
+                 help="verify a token tree instead of a chain (draft_model, medusa, eagle, mtp), "
+                      "e.g. 4,3,16; --gamma is then unused")
   p.add_argument("--gamma", type=int, default=4, help="drafted tokens per round")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -77,7 +86,8 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
   if kind == "none":
     return kind, None, None
   draft_model = draft_params = None
-  if kind.endswith("draft_model"):
+  tree = None if args.tree is None else TreeOptions.parse(args.tree)
+  if kind.endswith("draft_model") and args.draft_checkpoint is None:
     if args.draft_model:
       from models.loading import find_tokenizer_path, load_model
       from models.tokenizer import check_same_tokenizer, load_tokenizer
@@ -89,8 +99,12 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
       draft_model, draft_params = builtin_draft
     else:
       raise SystemExit(f"--draft {kind} needs --draft-model PATH")
-  drafter, dparams = build_drafter(kind, target, params, draft_model=draft_model,
-                                   draft_params=draft_params, num_layers=args.draft_layers)
+  try:
+    drafter, dparams = build_drafter(kind, target, params, draft_model=draft_model,
+                                     draft_params=draft_params, checkpoint=args.draft_checkpoint,
+                                     tree=tree, num_layers=args.draft_layers)
+  except ValueError as e:  # a bad combination of flags, or a drafter trained for another model
+    raise SystemExit(f"--draft {kind}: {e}") from None
   return kind, drafter, dparams
 
 
@@ -116,9 +130,15 @@ def main(argv=None) -> int:
   common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=eos,
                 key=jax.random.key(args.seed))
 
+  is_tree = isinstance(drafter, TreeDrafter)
+  gamma = drafter.max_depth if is_tree else args.gamma
+
   def run_spec():
+    if is_tree:
+      return tree_speculative_generate(target, params, drafter, draft_params, tokens, lengths,
+                                       **common)
     return speculative_generate(target, params, drafter, draft_params, tokens, lengths,
-                                gamma=args.gamma, **common)
+                                gamma=gamma, **common)
 
   def run_ar():
     return generate(target, params, tokens, lengths, **common)
@@ -129,7 +149,7 @@ def main(argv=None) -> int:
       raise SystemExit("--stream runs the speculative loop in chunks: it needs a drafter")
     from spec_jax.streaming import speculative_chunks, stream_text
     chunks = speculative_chunks(target, params, drafter, draft_params, tokens, lengths,
-                                gamma=args.gamma, **common)
+                                gamma=None if is_tree else gamma, **common)
     for piece in stream_text(chunks, tokenizer, prompts):
       print(piece, end="", flush=True)
     print()
@@ -139,7 +159,8 @@ def main(argv=None) -> int:
   n_tokens = int(np.asarray(out.num_tokens).sum())
   texts = [tokenizer.decode(list(p) + np.asarray(out.tokens[r, :int(out.num_tokens[r])]).tolist())
            for r, p in enumerate(prompts)]
-  report = {"drafter": kind if drafter is not None else "autoregressive", "gamma": args.gamma,
+  report = {"drafter": kind if drafter is not None else "autoregressive", "gamma": gamma,
+            "tree": args.tree if is_tree else None,
             "tokens": n_tokens, "seconds": run_s, "compile_seconds": max(first_s - run_s, 0.0),
             "tokens_per_s": n_tokens / run_s}
   if out.metrics is not None:
@@ -163,7 +184,8 @@ def main(argv=None) -> int:
   print(f"[{report['drafter']}] {n_tokens} tokens in {run_s:.3f} s = {report['tokens_per_s']:.1f} tok/s "
         f"(compile {report['compile_seconds']:.1f} s)")
   if "mean_accepted" in report:
-    print(f"gamma {args.gamma}: mean accepted {report['mean_accepted']:.2f} drafts/round "
+    shape = f"tree {args.tree} (depth,top-k,nodes)" if is_tree else f"gamma {gamma}"
+    print(f"{shape}: mean accepted {report['mean_accepted']:.2f} drafts/round "
           f"({report['mean_accepted_with_bonus']:.2f} tokens/round with the bonus), "
           f"acceptance rate {report['acceptance_rate']:.2%}, {report['target_calls']} target passes")
   if "speedup" in report:

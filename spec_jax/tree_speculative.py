@@ -88,6 +88,18 @@ def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, dr
   lengths, position_acceptance the rate at which each depth was accepted once reached.
   `verifier` (static; default verify_tree) has verify_tree's signature.
   """
+  program, args = prepare_tree(target, drafter, prompt_tokens_BP, prompt_lengths_B,
+                               max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+                               key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
+                               verifier=verifier)
+  out, cache, draft_state = _speculative_jit(program, params, draft_params, *args)
+  return (out, cache, draft_state) if return_state else out
+
+
+def prepare_tree(target: CausalLM, drafter: TreeDrafter, prompt_tokens_BP, prompt_lengths_B, *,
+                 max_new_tokens: int, sampling: SamplingConfig, eos_id, key, budgets_B,
+                 pad_id: int, cache_len: int | None, verifier=verify_tree):
+  """`speculative.prepare` for tree drafters: a program whose rounds are tree rounds."""
   if not isinstance(drafter, TreeDrafter):
     raise TypeError(f"tree speculation needs a TreeDrafter (with propose_tree), got "
                     f"{type(drafter).__name__}")
@@ -95,6 +107,4 @@ def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, dr
                           gamma=drafter.max_depth, max_new_tokens=max_new_tokens,
                           sampling=sampling, eos_id=eos_id, key=key, budgets_B=budgets_B,
                           pad_id=pad_id, cache_len=cache_len, verifier=verifier)
-  program = dataclasses.replace(program, round_fn=tree_speculative_round)
-  out, cache, draft_state = _speculative_jit(program, params, draft_params, *args)
-  return (out, cache, draft_state) if return_state else out
+  return dataclasses.replace(program, round_fn=tree_speculative_round), args
