@@ -16,7 +16,7 @@ from conftest import REPO, STORIES_DIR, perturbed, tiny_llama
 from models.params_io import CheckpointError
 from spec_jax import distill
 from spec_jax.drafters import (DraftModelTreeDrafter, EagleDrafter, EagleTreeDrafter,
-                               MedusaDrafter, MedusaTreeDrafter, MTPDrafter)
+                               MedusaDrafter, MedusaTreeDrafter, MTPDrafter, MTPTreeDrafter)
 from spec_jax.drafters.factory import TreeOptions, make_drafter, static_choices
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.sampling import SamplingConfig
@@ -102,6 +102,8 @@ def test_factory_builds_trained_and_tree_drafters(stories, exported):
   tree = TreeOptions(3, 2, 6)
   drafter, _ = make_drafter("eagle", model, params, checkpoint=exported["eagle"][0], tree=tree)
   assert isinstance(drafter, EagleTreeDrafter) and drafter.num_nodes == 6
+  drafter, _ = make_drafter("mtp", model, params, checkpoint=exported["mtp"][0], tree=tree)
+  assert isinstance(drafter, MTPTreeDrafter) and drafter.max_depth == 3
   drafter, _ = make_drafter("medusa", model, params, checkpoint=exported["medusa"][0], tree=tree)
   assert isinstance(drafter, MedusaTreeDrafter) and drafter.choices == static_choices(tree)
   drafter, _ = make_drafter("draft_model", model, params, draft_model=model, draft_params=params,
@@ -133,7 +135,7 @@ def test_factory_tree_drafters_are_lossless(stories, story_prompts, exported):
   prompts = pad_prompts(story_prompts, width=12)
   reference = generate(model, params, *prompts, max_new_tokens=24, eos_id=1)
   tree = TreeOptions(3, 2, 6)
-  for kind in ("medusa", "eagle"):
+  for kind in ("medusa", "eagle", "mtp"):
     drafter, dparams = make_drafter(kind, model, params, checkpoint=exported[kind][0], tree=tree)
     out = tree_speculative_generate(model, params, drafter, dparams, *prompts,
                                     max_new_tokens=24, eos_id=1)

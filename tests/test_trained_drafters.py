@@ -1,13 +1,12 @@
 """Trained drafters (Medusa, EAGLE, MTP): lossless before and after training, training helps,
 drafter caches stay exact, checkpoints restore and interrupted training resumes exactly.
 
-The corpus is stories260K's own sampled generations; training uses scripts/train_drafter.py's
-functions (the shared spec_jax.training loop underneath).
+The corpus is stories260K's own sampled generations; training uses spec_jax.distill (the
+library behind scripts/train_drafter.py; the shared spec_jax.training loop underneath).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,29 +18,23 @@ import pytest
 
 from conftest import REPO, STORIES_DIR, require_shared, tiny_llama
 from models.drafter_heads import HeadParams, shared_head
+from spec_jax import distill as td
 from spec_jax.drafter_losses import shift_left, target_outputs
+from spec_jax.drafters.base import DraftContext, PromptInfo
 from spec_jax.drafters.eagle import EagleTreeDrafter
 from spec_jax.drafters.medusa import MedusaTreeDrafter
+from spec_jax.drafters.mtp import MTPTreeDrafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
 from spec_jax.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 from spec_jax.training import restore_best, restore_latest
 from spec_jax.tree_speculative import tree_speculative_generate
+from spec_jax.tree_verify import verify_tree
 from test_speculative import (CACHE_TOL, DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, VOCAB,
                               exact_joint, pvalue_vs_exact)
 
 
-def _load_script():
-  path = REPO / "scripts" / "train_drafter.py"
-  spec = importlib.util.spec_from_file_location("train_drafter", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["train_drafter"] = module  # dataclasses look their module up by name
-  spec.loader.exec_module(module)
-  return module
-
-
-td = _load_script()
 
 KINDS = ("medusa", "eagle", "mtp")
 HEADS = 3  # Medusa heads / MTP modules
@@ -116,15 +109,22 @@ def _fresh_features(stories, seq):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "mtp_tree"])
 def test_drafter_cache_matches_a_fresh_pass_over_true_features(stories, story_reference, trained,
                                                                kind):
   """After generation the drafter's cache up to its length equals one teacher-forced pass
   over the final tokens and the target's true features (drafts left no trace)."""
   model, params = stories
   prompts, _ = story_reference
+  tree = kind == "mtp_tree"
+  kind = kind.removesuffix("_tree")
   spec, _, own = trained(kind)
-  out, cache, state = _generate(stories, spec, own, prompts, return_state=True)
+  if tree:  # depth GAMMA: the same bounds as the chain
+    out, cache, state = tree_speculative_generate(
+        model, params, TREES[kind](spec.model), spec.draft_params(own, model, params), *prompts,
+        max_new_tokens=NEW, eos_id=1, return_state=True)
+  else:
+    out, cache, state = _generate(stories, spec, own, prompts, return_state=True)
   seq = np.asarray(out.sequences)
   final_B = np.asarray(prompts[1]) + np.asarray(out.num_tokens)  # tokens known, pending included
   hidden, positions = _fresh_features(stories, seq)
@@ -152,7 +152,13 @@ def test_drafter_cache_matches_a_fresh_pass_over_true_features(stories, story_re
 
 TREES = {"medusa": lambda model: MedusaTreeDrafter(model, choices=(
              (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))),
-         "eagle": lambda model: EagleTreeDrafter(model, depth=3, top_k=3, nodes=10)}
+         "eagle": lambda model: EagleTreeDrafter(model, depth=3, top_k=3, nodes=10),
+         "mtp": lambda model: MTPTreeDrafter(model, depth=3, top_k=3, nodes=10)}
+# for the two-head drafters of the distribution test: >= 2 children at the first level
+SMALL_TREES = {"medusa": lambda model: MedusaTreeDrafter(model, choices=((0,), (1,), (0, 0),
+                                                                         (1, 0))),
+               "eagle": lambda model: EagleTreeDrafter(model, depth=2, top_k=2, nodes=5),
+               "mtp": lambda model: MTPTreeDrafter(model, depth=2, top_k=2, nodes=5)}
 
 
 @pytest.mark.slow
@@ -172,6 +178,21 @@ def test_tree_greedy_identity_with_trained_drafter(stories, story_reference, tra
   assert m["mean_accepted"] >= MARGIN  # the trained heads work through the tree too
 
 
+@pytest.mark.slow
+def test_mtp_chain_tree_drafts_what_the_chain_drafter_drafts(stories, story_reference, trained):
+  """A chain-shaped static tree is the chain drafter at gamma = depth: the same drafts, so
+  the same rounds (the tree's entries E(node, k) are the chain's provisional diagonal)."""
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("mtp")
+  drafter = MTPTreeDrafter(spec.model, choices=tuple((0,) * d for d in range(1, GAMMA + 1)))
+  tree = tree_speculative_generate(model, params, drafter, spec.draft_params(own, model, params),
+                                   *prompts, max_new_tokens=NEW, eos_id=1)
+  chain = _generate(stories, spec, own, prompts)
+  assert np.array_equal(tree.tokens, reference.tokens)
+  assert summarize(tree.metrics)["accept_hist"] == summarize(chain.metrics)["accept_hist"]
+
+
 # --- exact distribution when sampling, untrained (random, nonzero) drafters -----------------
 
 @pytest.fixture(scope="module")
@@ -180,9 +201,9 @@ def tiny_target():
                     seed=11)
 
 
-def _random_head(kind, target, seed=0, scale=0.5):
+def _random_head(kind, target, seed=0, scale=0.5, num_heads=2):
   """An untrained drafter with every weight random and nonzero (Medusa starts as identity)."""
-  spec = td.make_spec(kind, target, num_heads=2)
+  spec = td.make_spec(kind, target, num_heads=num_heads)
   own = spec.init_params(jax.random.key(seed))
   leaves, treedef = jax.tree.flatten(own)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -213,17 +234,114 @@ def test_sampled_distribution_matches_target(tiny_target, kind, sampling):
   _check_distribution(target, tp, out, sampling)
 
 
-@pytest.mark.parametrize("kind", list(TREES))
+@pytest.mark.parametrize("kind", list(SMALL_TREES))
 def test_tree_sampled_distribution_matches_target(tiny_target, kind):
   target, tp = tiny_target
   spec, own = _random_head(kind, target)
-  drafter = (MedusaTreeDrafter(spec.model, choices=((0,), (1,), (0, 0), (1, 0)))
-             if kind == "medusa" else EagleTreeDrafter(spec.model, depth=2, top_k=2, nodes=5))
+  drafter = SMALL_TREES[kind](spec.model)
   sampling = SamplingConfig(1.0)
   out = tree_speculative_generate(target, tp, drafter, spec.draft_params(own, target, tp),
                                   *pad_prompts([PROMPT] * SAMPLES), max_new_tokens=DEPTH,
                                   sampling=sampling, key=jax.random.key(2))
   _check_distribution(target, tp, out, sampling)
+
+
+# --- the MTP tree drafts what the modules predict along each path ------------------------------
+
+def _tree_paths(tree, b):
+  """-> [(node, tokens of the path after the root)] for every node of row b."""
+  parents, tokens = np.asarray(tree.parents_BN[b]), np.asarray(tree.tokens_BN[b])
+  out = []
+  for i in range(len(parents)):
+    path, j = [], i
+    while j > 0:
+      path.append(int(tokens[j]))
+      j = parents[j]
+    out.append((i, path[::-1]))
+  return out
+
+
+def _check_mtp_tree_children(target, tp, spec, head_params, drafter, state, seq, lengths, pending):
+  """Every node's token is among the top_k (static: is the rank-r) prediction of a plain
+  teacher-forced MTP pass over the context + the path to its parent, with the target's true
+  features: module d+1 at position L-1 predicts a depth-d node's children. So the drafter's
+  per-module caches (exact windows, tree attention, positions, hidden chaining) are right."""
+  ctx = DraftContext(jnp.asarray(seq), jnp.asarray(lengths), jnp.asarray(pending))
+  propose = jax.jit(drafter.propose_tree, static_argnums=3)
+  tree, _ = propose(head_params, state, ctx, SamplingConfig(), jax.random.key(0))
+  rows, children, parents_at = [], [], []
+  for b, length in enumerate(lengths):
+    paths = dict(_tree_paths(tree, b))
+    for node, path in paths.items():
+      if node == 0:
+        continue
+      parent = int(tree.parents_BN[b, node])
+      rows.append(list(seq[b, :length + 1]) + paths[parent])
+      children.append((node, path[-1], len(paths[parent]), length))
+  tokens_CT, _ = pad_prompts(rows)
+  positions_CT = np.broadcast_to(np.arange(tokens_CT.shape[1], dtype=np.int32), tokens_CT.shape)
+  _, hidden_CTD, _ = target.apply(tp, tokens_CT, positions_CT, target.init_cache(*tokens_CT.shape))
+  logits_KCTV, _ = spec.model.apply(head_params, hidden_CTD, jnp.asarray(tokens_CT), positions_CT,
+                                    spec.model.init_cache(*tokens_CT.shape))
+  logits_KCTV = np.asarray(logits_KCTV)
+  ranks = drafter.spec.ranks if drafter.choices is not None else None
+  for c, (node, token, parent_depth, length) in enumerate(children):
+    ranked = np.argsort(-logits_KCTV[parent_depth, c, length - 1])
+    if ranks is None:
+      assert token in ranked[:drafter.top_k], (c, node)
+    else:
+      assert ranked[ranks[node]] == token, (c, node)
+
+
+@pytest.mark.parametrize("shape", [dict(depth=3, top_k=2, nodes=9),
+                                   dict(choices=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0),
+                                                 (0, 1, 0), (1, 0, 1)))])
+def test_mtp_tree_children_follow_the_modules(tiny_target, shape):
+  target, tp = tiny_target
+  spec, own = _random_head("mtp", target, num_heads=3)
+  head_params = spec.draft_params(own, target, tp)
+  drafter = MTPTreeDrafter(spec.model, **shape)
+  prompts = [[3, 1, 4, 1, 5, 2, 6], [5], [2, 7], [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [6, 6, 6, 1]]
+  cache_len = 48
+  # at the start: the state from the prompt
+  tokens, lengths = pad_prompts(prompts)
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  _, hidden, _ = target.apply(tp, tokens, positions, target.init_cache(*tokens.shape))
+  state = drafter.init(head_params, PromptInfo(jnp.asarray(tokens), jnp.asarray(lengths),
+                                               cache_len, hidden))
+  seq = np.zeros((len(prompts), cache_len), np.int32)
+  seq[:, :tokens.shape[1]] = tokens
+  pending = np.array([2, 3, 4, 5, 6], np.int32)
+  seq[np.arange(len(prompts)), lengths] = pending
+  _check_mtp_tree_children(target, tp, spec, head_params, drafter, state, seq, lengths, pending)
+  # after many rounds: sampled, and with a verifier that accepts up to the whole depth (the
+  # windows must cover a round that accepted every level)
+  for verifier in (verify_tree, _accept_part_of_the_deepest_path):
+    out, cache, state = tree_speculative_generate(
+        target, tp, drafter, head_params, tokens, lengths, max_new_tokens=16,
+        sampling=SamplingConfig(1.0), key=jax.random.key(3), cache_len=cache_len,
+        return_state=True, verifier=verifier)
+    assert summarize(out.metrics)["mean_accepted"] > 0.2
+    seq = np.asarray(out.sequences)
+    now = np.asarray(cache.length_B)
+    _check_mtp_tree_children(target, tp, spec, head_params, drafter, state, seq, now,
+                             seq[np.arange(len(prompts)), now])
+
+
+def _accept_part_of_the_deepest_path(tree, target_logits_BNV, sampling, key):
+  """Not a lossless verifier: keeps a random prefix (often all) of the path to the deepest
+  node, whatever the target says; for checking drafter state after any acceptance length."""
+  batch = tree.tokens_BN.shape[0]
+  rows = jnp.arange(batch)
+  node_B = jnp.argmax(tree.depth_BN, axis=1)
+  deepest_B = tree.depth_BN[rows, node_B]
+  keep_B = jnp.minimum(jax.random.randint(key, (batch,), 0, 2 * tree.max_depth), deepest_B)
+  path_BD1 = jnp.zeros((batch, tree.max_depth + 1), jnp.int32)
+  for d in range(tree.max_depth, 0, -1):  # walk up from the deepest node
+    path_BD1 = path_BD1.at[:, d].set(jnp.where(d <= keep_B, node_B, 0))
+    node_B = jnp.where(d <= deepest_B, tree.parents_BN[rows, node_B], node_B)
+  last_B = jnp.take_along_axis(path_BD1, keep_B[:, None], axis=1)[:, 0]
+  return path_BD1, keep_B, jnp.argmax(target_logits_BNV[rows, last_B], axis=-1).astype(jnp.int32)
 
 
 # --- losses: alignment, checked with oracle drafters that copy the target -----------------

@@ -13,7 +13,7 @@ from spec_jax.drafters.eagle import EagleDrafter, EagleTreeDrafter
 from spec_jax.drafters.factory import make_drafter
 from spec_jax.drafters.layer_skip import LayerSkipDrafter
 from spec_jax.drafters.medusa import MedusaDrafter, MedusaTreeDrafter
-from spec_jax.drafters.mtp import MTPDrafter
+from spec_jax.drafters.mtp import MTPDrafter, MTPTreeDrafter
 from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, found_match, ngram_lookup
 from spec_jax.drafters.quantized import quantized_target_drafter
 
@@ -21,4 +21,4 @@ __all__ = ["DraftContext", "Drafter", "TreeDrafter", "PromptInfo", "RoundOutcome
            "DraftModelDrafter", "DraftModelTreeDrafter", "PromptLookupDrafter", "ngram_lookup",
            "found_match", "LayerSkipDrafter", "quantized_target_drafter", "FallbackDrafter",
            "ResyncDraftModelDrafter", "MedusaDrafter", "MedusaTreeDrafter", "EagleDrafter",
-           "EagleTreeDrafter", "MTPDrafter", "make_drafter"]
+           "EagleTreeDrafter", "MTPDrafter", "MTPTreeDrafter", "make_drafter"]

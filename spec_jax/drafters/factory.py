@@ -104,7 +104,7 @@ def _trained_drafter(kind: str, target_model, target_params, checkpoint, tree):
   if kind == "medusa":
     return MedusaTreeDrafter(model, static_choices(tree)), params
   dynamic = {"draft_model": DraftModelTreeDrafter, "eagle": EagleTreeDrafter,
-             "mtp": getattr(mtp, "MTPTreeDrafter", None)}[kind]
+             "mtp": mtp.MTPTreeDrafter}[kind]
   return dynamic(model, tree.depth, tree.top_k, tree.nodes), params
 
 

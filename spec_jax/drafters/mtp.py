@@ -19,6 +19,27 @@ and re-derives the rest (a no-op up to round-off). Padding positions below 0 are
 computed but never stored. The state needs no gamma at init: the prompt runs through all
 K modules (entries past each prompt's end are garbage that the first window rewrites).
 Cost per round: gamma module passes over 2*gamma tokens each.
+
+`MTPTreeDrafter` grows a token tree (EAGLE-2-style dynamic, or static from choices) from
+the same modules, depth by depth: module d+1 expands the nodes at depth d. Write E(n, k) for
+module k's element on tree node n (depth e, token x_{L+e} = n's token): it sits at position
+L+e-k, pairs E(parent(n), k-1) (E(., 0): the target feature) with n's token and predicts
+n's children; for the root (e = 0, the pending token) and known tokens it is the ordinary
+exact entry. In a chain this is exactly what MTPDrafter computes (module k's entries
+L-k+1 .. L-1 hold the drafts' diagonal), so a tree that is a chain drafts the same tokens.
+One pass of module k per round (D = max depth): a window of known entries at positions
+L-2D .. L-k (h^{k-1} from module k-1's window; the last one is E(root, k)), plus, for
+k >= 2, E(n, k) for every node n of the drafter's block (spec_jax.tree.Expansion) at depths
+1 .. k-1, whose tokens and parents the earlier levels fixed. A block node attends over its
+module's exact entries (slots <= L-k) and its ancestors' E(., k): block slot j > 0 is
+written at cache slot L-1+j (past every position the module has exact), with a tree mask
+that hides the stale slots L-k+1 .. L-1 (and ancestors at positions below 0, padding as in
+the window). The depth-d nodes' outputs give their children.
+State: as the chain with gamma = D (a round accepts at most D drafts): after a round
+module k is exact below L-k+1 and the next round's windows start at L'-2D <= L-D+1, so
+they rewrite everything the verify made known and the tree entries are never read again.
+The tree is a deterministic function of the context (top-k of the warped log-probs), so
+its probs are None and one-hot verification is lossless, as for the other tree drafters.
 """
 
 from __future__ import annotations
@@ -27,20 +48,35 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
+from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.drafters.eagle import (gather_positions, prompt_features, store_verified_features,
                                      window_positions)
-from spec_jax.drafters.medusa import draw
-from spec_jax.kv_cache import KVCache
+from spec_jax.drafters.medusa import draw, tree_log_probs
+from spec_jax.kv_cache import KVCache, causal_mask, tree_mask
 from spec_jax.sampling import SamplingConfig
+from spec_jax.tree import (Expansion, TokenTree, TreeShape, check_dynamic_tree,
+                           grow_dynamic_tree, grow_static_tree)
 
 
 @struct.dataclass
 class MTPState:
   cache: KVCache  # layer k-1 is module k's; entries below length_B are exact in every module used
   features_BSD: jax.Array  # target hidden states by position, valid below the target's length
+
+
+def mtp_init(model, params, prompt: PromptInfo) -> MTPState:
+  """The prompt through all modules; module k is then exact for i < length - k."""
+  features_BSD = prompt_features(prompt)
+  tokens_BP = prompt.tokens_BP
+  batch, width = tokens_BP.shape
+  positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+  cache = model.init_cache(batch, prompt.cache_len)
+  _, cache = model.apply(params, features_BSD[:, :width], tokens_BP, positions_BP, cache)
+  return MTPState(cache.with_length(jnp.maximum(prompt.lengths_B - model.num_modules, 0)),
+                  features_BSD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,15 +94,7 @@ class MTPDrafter(Drafter):
                        f"tokens per round, got gamma={gamma}")
 
   def init(self, params, prompt: PromptInfo) -> MTPState:
-    features_BSD = prompt_features(prompt)
-    tokens_BP = prompt.tokens_BP
-    batch, width = tokens_BP.shape
-    positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    cache = self.model.init_cache(batch, prompt.cache_len)
-    _, cache = self.model.apply(params, features_BSD[:, :width], tokens_BP, positions_BP, cache)
-    num_modules = self.model.num_modules
-    return MTPState(cache.with_length(jnp.maximum(prompt.lengths_B - num_modules, 0)),
-                    features_BSD)
+    return mtp_init(self.model, params, prompt)
 
   def propose(self, params, state: MTPState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
@@ -91,6 +119,118 @@ class MTPDrafter(Drafter):
     # module k is exact for i <= L-k: below L-gamma+1 in all of the modules used
     cache = cache.with_length(jnp.maximum(pos_B - gamma + 1, 0))
     return drafts_BG, probs_BGV, MTPState(cache, state.features_BSD)
+
+  def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
+    return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPTreeDrafter(TreeShape, TreeDrafter):
+  """EAGLE-2-style dynamic tree (depth, top_k, nodes) unless `choices` (static paths) is given;
+  depth d's children come from module d+1, so the depth is at most the number of modules.
+
+  Children are ranked by the draft's log-probs (warped when sampling): the tree is a
+  deterministic function of the context, so tree verification with one-hot q is lossless.
+  """
+  model: object  # models.drafter_heads.MTPModel (hashable); params: HeadParams
+  depth: int = 4
+  top_k: int = 3
+  nodes: int = 16
+  choices: tuple | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  @property
+  def block_slots(self) -> int:
+    """Block slots of a round's tree (slot 0: the root); slot j > 0 is cache slot L-1+j."""
+    return self.tree_block
+
+  def check(self, target, gamma: int) -> None:
+    super().check(target, gamma)
+    if self.choices is None:
+      check_dynamic_tree(self.depth, self.top_k, self.nodes)
+    else:
+      self.spec  # validates the choices
+    if self.max_depth > self.model.num_modules:
+      raise ValueError(f"an MTP tree of depth {self.max_depth} needs as many modules; the "
+                       f"model has {self.model.num_modules}")
+
+  def extra_slots(self, gamma: int) -> int:
+    return max(self.num_nodes, self.block_slots)
+
+  def init(self, params, prompt: PromptInfo) -> MTPState:
+    return mtp_init(self.model, params, prompt)
+
+  def propose_tree(self, params, state: MTPState, ctx: DraftContext, sampling: SamplingConfig,
+                   key: jax.Array) -> tuple[TokenTree, MTPState]:
+    max_depth = self.max_depth
+    pos_B = ctx.position_B
+    width = 2 * max_depth
+    pos_BW = window_positions(pos_B, width)  # L-2D .. L-1; module k runs L-2D .. L-k
+    max_len = state.cache.max_len
+    # module 1: true features and tokens x_{i+1}; its last element (f_{L-1}, pending) is the root
+    root_logits_BWV, win_h_BWD, cache = self.model.apply_module(
+        params, 1, gather_positions(state.features_BSD, pos_BW),
+        gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache)
+    batch, num_block = pos_B.shape[0], self.block_slots
+    # block bookkeeping: tokens, parent block slots and ancestor rows of the nodes run so far,
+    # and the previous module's output E(., k-1) per block slot (slot 0: the root)
+    block = (jnp.zeros((batch, num_block), jnp.int32), jnp.zeros((batch, num_block), jnp.int32),
+             jnp.zeros((batch, num_block, num_block), bool))
+    feats_BMD = jnp.zeros((batch, num_block, win_h_BWD.shape[-1]),
+                          win_h_BWD.dtype).at[:, 0].set(win_h_BWD[:, -1])
+    depth_of: dict[int, int] = {}  # block slot -> depth of the node there (static)
+    slots_S = jnp.arange(max_len, dtype=jnp.int32)
+
+    def expand(carry, level: Expansion):
+      cache, win_h_BWD, feats_BMD, (tokens_BM, parents_BM, anc_BMM) = carry
+      k = level.depth + 1  # module k expands depth k-1
+      ids = level.block_ids
+      tokens_BM = tokens_BM.at[:, ids].set(level.tokens_BT)
+      parents_BM = parents_BM.at[:, ids].set(level.parent_block_BT)
+      anc_BMM = anc_BMM.at[:, ids].set(level.ancestors_BTM)
+      depth_of.update((int(i), level.depth) for i in ids)
+      run = np.array(sorted(depth_of), np.int32)  # every node so far: depths 1 .. k-1
+      run_depths = np.array([depth_of[int(i)] for i in run], np.int32)
+      # the window of known entries: positions L-2D .. L-k, tokens x_{i+k} (at most x_L)
+      win = width - k + 1
+      wpos_BW = pos_BW[:, :win]
+      w_slots_BW = jnp.where(wpos_BW >= 0, wpos_BW, max_len)  # padding is never stored
+      # tree nodes: E(n, k) at position L+e-k, at cache slot L-1+j; they see the exact
+      # entries (slots <= L-k) and their ancestors' entries, not the stale L-k+1 .. L-1, nor
+      # ancestors at positions below 0 (padding, as in the window)
+      npos_BT = pos_B[:, None] + jnp.asarray(run_depths)[None, :] - k
+      nslots_BT = pos_B[:, None] - 1 + jnp.asarray(run)[None, :]
+      block_depth_M = np.zeros(num_block, np.int32)
+      block_depth_M[run] = run_depths
+      real_BM = (pos_B[:, None] + jnp.asarray(block_depth_M)[None, :] - k) >= 0
+      stale_BS = (slots_S[None, :] > (pos_B - k)[:, None]) & (slots_S[None, :] < pos_B[:, None])
+      nmask_BTS = (tree_mask(pos_B - 1, anc_BMM[:, run] & real_BM[:, None, :], max_len)
+                   & ~stale_BS[:, None, :])
+      nh_BTD = jnp.take_along_axis(feats_BMD, parents_BM[:, run][:, :, None], axis=1)
+      logits_BXV, h_BXD, cache = self.model.apply_module(
+          params, k, jnp.concatenate([win_h_BWD[:, :win], nh_BTD], axis=1),
+          jnp.concatenate([gather_positions(ctx.seq_BS, wpos_BW + k), tokens_BM[:, run]], 1),
+          jnp.concatenate([wpos_BW, npos_BT], axis=1), cache,
+          slots_BT=jnp.concatenate([w_slots_BW, nslots_BT], axis=1),
+          mask_BTS=jnp.concatenate([causal_mask(wpos_BW, max_len), nmask_BTS], axis=1))
+      feats_BMD = feats_BMD.at[:, 0].set(h_BXD[:, win - 1]).at[:, run].set(h_BXD[:, win:])
+      level_logits_BTV = logits_BXV[:, win + np.searchsorted(run, ids)]
+      return (tree_log_probs(level_logits_BTV, sampling),
+              (cache, h_BXD[:, :win], feats_BMD, (tokens_BM, parents_BM, anc_BMM)))
+
+    root_logp_BV = tree_log_probs(root_logits_BWV[:, -1], sampling)
+    carry = (cache, win_h_BWD, feats_BMD, block)
+    if self.choices is None:
+      tree, carry = grow_dynamic_tree(root_logp_BV, ctx.pending_B, expand, carry,
+                                      depth=self.depth, top_k=self.top_k, num_nodes=self.nodes)
+    else:
+      tree, carry = grow_static_tree(self.spec, root_logp_BV, ctx.pending_B, expand, carry)
+    # module k is exact for i <= L-k: below L-D+1 in all of the modules used
+    cache = carry[0].with_length(jnp.maximum(pos_B - max_depth + 1, 0))
+    return tree, MTPState(cache, state.features_BSD)
 
   def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
