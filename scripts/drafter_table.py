@@ -1,11 +1,16 @@
-"""Acceptance of every training-free drafter on stories260K, as a Markdown table.
+"""Acceptance of every drafter on stories260K, chain and tree, trained and training-free,
+as one Markdown table.
 
-  python scripts/drafter_table.py                    # gamma 4, greedy, 64 new tokens
-  python scripts/drafter_table.py --gamma 6 --temperature 0.8
+  python scripts/drafter_table.py                    # gamma 3, trees of depth 3, greedy
+  python scripts/drafter_table.py --gamma 4 --tree 4,3,16 --temperature 0.8
 
-Same prompts (by default those of the test suite's `story_prompts`), gamma and settings for
-every row; the draft-model rows (the target itself, a noisy copy, a random small model) are
-references. Each row also checks that greedy output equals autoregressive output.
+Same prompts (by default those of the test suite's `story_prompts`), gamma (chains), tree
+budget (trees: depth, top-k, nodes) and settings for every row; the draft-model rows (the
+target itself, a noisy copy, a random small model) are references. The trained drafters
+(Medusa heads, EAGLE, MTP modules; as many heads/modules as gamma) are distilled from
+stories260K's own sampled generations with spec_jax.distill, exported to --trained-dir and
+reused from there on later runs. Each row also checks that greedy output equals
+autoregressive output.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ sys.path.insert(0, str(REPO / "tests"))  # the test suite's noisy and small mode
 
 from conftest import REFERENCE_DIR, REFERENCE_STEM, STORIES_DIR, perturbed, tiny_llama  # noqa: E402
 from models.llama2c import load_llama2c  # noqa: E402
+from spec_jax import distill  # noqa: E402
 from spec_jax.drafters import make_drafter  # noqa: E402
+from spec_jax.drafters.base import TreeDrafter  # noqa: E402
+from spec_jax.drafters.factory import TreeOptions  # noqa: E402
+from spec_jax.tree_speculative import tree_speculative_generate  # noqa: E402
 from spec_jax.generate import generate, pad_prompts  # noqa: E402
 from spec_jax.metrics import summarize  # noqa: E402
 from spec_jax.sampling import SamplingConfig  # noqa: E402
@@ -37,7 +46,32 @@ def prompts(kind: str) -> list[list[int]]:
           [1, 413, 409, 416, 327, 263, 415, 294]]
 
 
-def drafters(model, params):
+TRAINED = ("medusa", "eagle", "mtp")
+
+
+def trained_drafters(model, params, args) -> dict[str, str]:
+  """kind -> exported folder, training (and exporting) the kinds not there yet."""
+  folders = {}
+  corpus = None
+  for kind in TRAINED:
+    folder = Path(args.trained_dir) / f"{kind}-{args.gamma}"
+    if not (folder / distill.DRAFTER_WEIGHTS).is_file():
+      if corpus is None:
+        print(f"sampling a corpus of {args.train_sequences} sequences from stories260K ...",
+              file=sys.stderr, flush=True)
+        corpus = distill.generated_corpus(model, params, num_sequences=args.train_sequences,
+                                          seq_len=64, heldout=8, seed=0, temperature=0.6)
+      spec = distill.make_spec(kind, model, num_heads=args.gamma)
+      trainer = distill.Trainer(spec, model, params, corpus, args.train_steps, batch_size=16,
+                                learning_rate=1e-2, warmup_steps=20)
+      own, _ = trainer.run(progress=False)
+      distill.export_drafter(folder, spec, own)
+      print(f"trained {kind} ({args.train_steps} steps) -> {folder}", file=sys.stderr, flush=True)
+    folders[kind] = str(folder)
+  return folders
+
+
+def drafters(model, params, args):
   """(row label, kind, options) for make_drafter."""
   small = tiny_llama(vocab_size=model.vocab_size, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                      hidden_dim=32, max_seq_len=512, seed=5)
@@ -52,12 +86,30 @@ def drafters(model, params):
            ("lookup (n 3..2) + layer skip k=4", "lookup+layer_skip", dict(num_layers=4)),
            ("lookup (n 3..2) + int8 target", "lookup+quantized", {}),
            ("lookup (n 3..2) + noisy target", "lookup+draft_model", dict(draft=noisy))]
+  folders = trained_drafters(model, params, args)
+  heads = f"{args.gamma} heads"
+  rows += [(f"Medusa, {heads}", "medusa", dict(checkpoint=folders["medusa"])),
+           ("EAGLE", "eagle", dict(checkpoint=folders["eagle"])),
+           (f"MTP, {args.gamma} modules", "mtp", dict(checkpoint=folders["mtp"]))]
+  tree = TreeOptions.parse(args.tree)
+  label = f"tree {args.tree}"
+  rows += [(f"{label}: draft model = target + noise 0.15", "draft_model",
+            dict(draft=noisy, tree=tree)),
+           (f"{label}: Medusa (static, same budget)", "medusa",
+            dict(checkpoint=folders["medusa"], tree=tree)),
+           (f"{label}: EAGLE (dynamic)", "eagle", dict(checkpoint=folders["eagle"], tree=tree)),
+           (f"{label}: MTP (dynamic)", "mtp", dict(checkpoint=folders["mtp"], tree=tree))]
   return rows
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--gamma", type=int, default=4)
+  p.add_argument("--gamma", type=int, default=3, help="chain draft length (and trained heads)")
+  p.add_argument("--tree", default="3,3,10", help="tree rows' depth,top_k,nodes (depth <= gamma)")
+  p.add_argument("--trained-dir", default=str(REPO / "runs" / "drafters" / "stories260K"),
+                 help="where the trained drafters are exported / found")
+  p.add_argument("--train-steps", type=int, default=600)
+  p.add_argument("--train-sequences", type=int, default=256)
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0)
   p.add_argument("--seed", type=int, default=0)
@@ -70,16 +122,21 @@ def main(argv=None) -> int:
   common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling,
                 key=jax.random.key(args.seed))  # no EOS: every row generates them all
   reference = generate(model, params, *batch, **common)
-  print(f"stories260K, {args.prompts} prompts ({len(batch[1])}), gamma {args.gamma}, temperature "
-        f"{args.temperature}, {args.max_new_tokens} new tokens\n")
+  rows = drafters(model, params, args)
+  print(f"stories260K, {args.prompts} prompts ({len(batch[1])}), chains gamma {args.gamma}, trees "
+        f"{args.tree} (depth,top-k,nodes), temperature {args.temperature}, "
+        f"{args.max_new_tokens} new tokens\n")
   print("| drafter | mean accepted | with bonus | acceptance rate | same as autoregressive |")
   print("|---|---|---|---|---|")
-  for label, kind, opts in drafters(model, params):
+  for label, kind, opts in rows:
     draft_model, draft_params = opts.pop("draft", (None, None))
     drafter, dparams = make_drafter(kind, model, params, draft_model=draft_model,
                                     draft_params=draft_params, **opts)
-    out = speculative_generate(model, params, drafter, dparams, *batch, gamma=args.gamma,
-                               **common)
+    if isinstance(drafter, TreeDrafter):
+      out = tree_speculative_generate(model, params, drafter, dparams, *batch, **common)
+    else:
+      out = speculative_generate(model, params, drafter, dparams, *batch, gamma=args.gamma,
+                                 **common)
     m = summarize(out.metrics)
     same = (np.array_equal(out.tokens, reference.tokens) if sampling.is_greedy else "n/a")
     print(f"| {label} | {m['mean_accepted']:.2f} | {m['mean_accepted_with_bonus']:.2f} | "
