@@ -505,6 +505,12 @@ def scenario_2(plan: Plan, ctx: dict) -> dict:
     cases.append(spec_case(target, params, pl, pl_params, gamma=pl_gamma,
                            label=f"prompt lookup, gamma {pl_gamma}", drafter="prompt lookup",
                            kind="prompt_lookup", **common))
+    both, both_params = build_drafter("lookup+draft_model", target, params, draft_model=draft,
+                                      draft_params=draft_params)
+    cases.append(spec_case(target, params, both, both_params, gamma=pl_gamma,
+                           label=f"lookup (n 3..2), else draft model, gamma {pl_gamma}",
+                           drafter="prompt lookup + draft model", kind="lookup+draft_model",
+                           **common))
   except ImportError as e:
     notes.append(f"skipped prompt lookup: {e}")
   records, outs, group = run_group(cases, measure_sets, check_sets, plan, "S2")
