@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spec_jax.kv_cache import KVCache, causal_mask, write_rows
+from spec_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, causal_mask, write_rows
 from spec_jax.quantize import dense
 
 
@@ -130,24 +130,27 @@ class Attention(nnx.Module):
     self.wv = Linear(d, cfg.n_kv_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
     self.wo = Linear(cfg.n_heads * hd, d, use_bias=False, dtype=dt, rngs=rngs)
 
-  def __call__(self, x_BTD, positions_BT, k_LBSKH, v_LBSKH, layer: int, slots_BT, mask_BTS):
-    """Writes this layer's new K/V into the stacked caches (in place under jit) and attends."""
+  def __call__(self, x_BTD, positions_BT, k_LBKSH, v_LBKHS, layer: int, slots_BT, mask_BTS):
+    """Writes this layer's new K/V into the stacked caches (in place under jit) and attends.
+
+    The caches are head-major (kv_cache.py): both dots read them as stored, no transpose.
+    """
     B, T, _ = x_BTD.shape
     K, G, Dh = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     q_BTHD = apply_rope(self.wq(x_BTD).reshape(B, T, K * G, Dh), positions_BT, self.rope_theta)
     k_BTKD = apply_rope(self.wk(x_BTD).reshape(B, T, K, Dh), positions_BT, self.rope_theta)
     v_BTKD = self.wv(x_BTD).reshape(B, T, K, Dh)
-    k_LBSKH = write_rows(k_LBSKH, slots_BT, k_BTKD, layer)
-    v_LBSKH = write_rows(v_LBSKH, slots_BT, v_BTKD, layer)
-    k_cache_BSKH, v_cache_BSKH = k_LBSKH[layer], v_LBSKH[layer]
+    k_LBKSH = write_rows(k_LBKSH, slots_BT, k_BTKD, layer, slot_axis=K_SLOT_AXIS)
+    v_LBKHS = write_rows(v_LBKHS, slots_BT, v_BTKD, layer, slot_axis=V_SLOT_AXIS)
+    k_cache_BKSD, v_cache_BKDS = k_LBKSH[layer], v_LBKHS[layer]
     # query head h reads KV head h // G (grouped-query attention)
     q_BTKGD = q_BTHD.reshape(B, T, K, G, Dh)
-    scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_cache_BSKH,
+    scores_BKGTS = jnp.einsum("btkgd,bksd->bkgts", q_BTKGD, k_cache_BKSD,
                               preferred_element_type=jnp.float32) * (Dh ** -0.5)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_cache_BSKH.dtype)
-    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_cache_BSKH)
-    return self.wo(out_BTKGD.reshape(B, T, K * G * Dh)), k_LBSKH, v_LBSKH
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_cache_BKDS.dtype)
+    out_BTKGD = jnp.einsum("bkgts,bkds->btkgd", probs_BKGTS, v_cache_BKDS)
+    return self.wo(out_BTKGD.reshape(B, T, K * G * Dh)), k_LBKSH, v_LBKHS
 
 
 class MLP(nnx.Module):
@@ -199,13 +202,13 @@ class Llama(nnx.Module):
   def __call__(self, tokens_BT, positions_BT, cache: KVCache, slots_BT, mask_BTS,
                num_layers: int | None = None):
     x_BTD = self.embed_tokens(tokens_BT)
-    k_LBSKH, v_LBSKH = cache.k_LBSKH, cache.v_LBSKH
+    k_LBKSH, v_LBKHS = cache.k_LBKSH, cache.v_LBKHS
     used = len(self.layers) if num_layers is None else num_layers
     for i, layer in enumerate(self.layers[:used]):
-      x_BTD, k_LBSKH, v_LBSKH = layer(x_BTD, positions_BT, k_LBSKH, v_LBSKH, i, slots_BT,
+      x_BTD, k_LBKSH, v_LBKHS = layer(x_BTD, positions_BT, k_LBKSH, v_LBKHS, i, slots_BT,
                                       mask_BTS)
     hidden_BTD = self.final_norm(x_BTD)
-    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH)
+    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBKSH=k_LBKSH, v_LBKHS=v_LBKHS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,6 +4,11 @@ Slots are absolute positions: the token at position p of a row lives in slot p o
 row. A row's `length` counts its valid slots; anything beyond is stale and masked, and
 gets overwritten later. Rolling back after a rejected draft is therefore only a change
 of `length` (see DESIGN.md, "Rollback is a length, not a copy").
+
+Layouts are head-major, as the attention dots read them, so no step re-lays-out the cache:
+K is [layers, batch, kv_heads, slots, head_dim] (scores contract head_dim, its minor axis)
+and V is [layers, batch, kv_heads, head_dim, slots] (probs x V contracts slots, its minor
+axis). The two differ in shape, so the slot axis of each is named below.
 """
 
 from __future__ import annotations
@@ -13,41 +18,54 @@ import jax.numpy as jnp
 from flax import struct
 
 
+K_SLOT_AXIS = 3  # slots in k_LBKSH
+V_SLOT_AXIS = 4  # slots in v_LBKHS
+
+
 @struct.dataclass
 class KVCache:
-  k_LBSKH: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
-  v_LBSKH: jax.Array
+  k_LBKSH: jax.Array  # [layers, batch, kv_heads, slots, head_dim]
+  v_LBKHS: jax.Array  # [layers, batch, kv_heads, head_dim, slots]
   length_B: jax.Array  # [batch] int32: number of valid slots per row
 
   @property
   def max_len(self) -> int:
-    return self.k_LBSKH.shape[2]
+    return self.k_LBKSH.shape[K_SLOT_AXIS]
 
   @property
   def batch_size(self) -> int:
-    return self.k_LBSKH.shape[1]
+    return self.k_LBKSH.shape[1]
 
   @classmethod
   def zeros(cls, *, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
             head_dim: int, dtype=jnp.float32) -> "KVCache":
-    shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+    k_shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+    v_shape = (num_layers, batch_size, num_kv_heads, head_dim, max_len)
+    return cls(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype),
                jnp.zeros((batch_size,), jnp.int32))
 
   def with_length(self, length_B: jax.Array) -> "KVCache":
     return self.replace(length_B=jnp.asarray(length_B, jnp.int32))
 
 
-def write_rows(cache_LBSKH: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Array,
-               layer: int) -> jax.Array:
-  """Writes values[b, t] into cache[layer, b, slots[b, t]]; slots outside are dropped.
+def write_rows(cache: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Array, layer: int,
+               *, slot_axis: int) -> jax.Array:
+  """Writes T new tokens' K or V into one layer at per-row slots; slots outside are dropped.
 
-  One scatter into the stacked buffer, so under jit (and in a loop carry) it updates in
-  place instead of copying the whole cache every step.
+  `cache` is k_LBKSH (slot_axis=K_SLOT_AXIS) or v_LBKHS (slot_axis=V_SLOT_AXIS); for each
+  row b and token t, values[b, t] ([kv_heads, head_dim]) lands at slot slots[b, t] of
+  cache[layer, b]. One scatter into the stacked buffer, so under jit (and in a loop carry)
+  it updates in place instead of copying the whole cache every step.
   """
-  batch_idx = jnp.arange(cache_LBSKH.shape[1])[:, None]
-  return cache_LBSKH.at[layer, batch_idx, slots_BT].set(
-      values_BTKH.astype(cache_LBSKH.dtype), mode="drop")
+  if slot_axis not in (K_SLOT_AXIS, V_SLOT_AXIS):
+    raise ValueError(f"slot_axis must be {K_SLOT_AXIS} (K) or {V_SLOT_AXIS} (V), got {slot_axis}")
+  batch_idx_B1 = jnp.arange(cache.shape[1])[:, None]
+  index = [layer, batch_idx_B1, slice(None), slice(None), slice(None)]
+  index[slot_axis] = slots_BT
+  # The integer indices are not adjacent (kv_heads lies between batch and slots), so by
+  # NumPy's rule their broadcast dims [B, T] lead the indexed shape and the sliced dims
+  # follow in order: [B, T, kv_heads, head_dim] for both layouts.
+  return cache.at[tuple(index)].set(values_BTKH.astype(cache.dtype), mode="drop")
 
 
 def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:

@@ -284,11 +284,16 @@ def batch_spec(shape: Sequence[int], mesh, rules: ShardingRules = DEFAULT_RULES)
 
 
 def cache_shardings(cache: KVCache, mesh, rules: ShardingRules = DEFAULT_RULES) -> KVCache:
-  """KVCache of NamedShardings: k/v [L, B, S, KVH, Dh] batch over data, KV heads over model."""
-  kv = _spec(rules, (None, "batch", None, "kv_heads", "head_dim"), cache.k_LBSKH.shape, mesh,
-             "KV cache")
+  """KVCache of NamedShardings: batch over data, KV heads over model, slots unsharded.
+
+  k is [L, B, KVH, S, Dh] and v [L, B, KVH, Dh, S] (kv_cache.py's head-major layouts).
+  """
+  k = _spec(rules, (None, "batch", "kv_heads", None, "head_dim"), cache.k_LBKSH.shape, mesh,
+            "KV cache (K)")
+  v = _spec(rules, (None, "batch", "kv_heads", "head_dim", None), cache.v_LBKHS.shape, mesh,
+            "KV cache (V)")
   length = batch_spec(cache.length_B.shape, mesh, rules)
-  return KVCache(NamedSharding(mesh, kv), NamedSharding(mesh, kv), NamedSharding(mesh, length))
+  return KVCache(NamedSharding(mesh, k), NamedSharding(mesh, v), NamedSharding(mesh, length))
 
 
 def constrain_cache(cache: KVCache, mesh, rules: ShardingRules = DEFAULT_RULES) -> KVCache:

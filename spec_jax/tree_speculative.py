@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from spec_jax.drafters.base import DraftContext, TreeDrafter
 from spec_jax.generate import CausalLM
-from spec_jax.kv_cache import KVCache, tree_mask
+from spec_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
 from spec_jax.sampling import SamplingConfig
 from spec_jax.speculative import SpecState, _speculative_jit, commit_round, prepare
 from spec_jax.tree_verify import verify_tree
@@ -38,13 +38,17 @@ def compact_path(cache: KVCache, start_B: jax.Array, path_BD1: jax.Array) -> KVC
   src_BD1 = start_B[:, None] + path_BD1
   dst_BD1 = start_B[:, None] + depth_D1[None, :]
 
-  def move_row(kv_LSKH, src_D1, dst_D1):
-    return kv_LSKH.at[:, dst_D1].set(kv_LSKH[:, src_D1], mode="drop")
+  def mover(slot_axis: int):
+    lead = (slice(None),) * (slot_axis - 1)  # a row drops the batch axis: slots one earlier
 
-  # vmap over rows (as kv_cache.write_rows): local to each shard when the batch is sharded
-  move = jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
-  return cache.replace(k_LBSKH=move(cache.k_LBSKH, src_BD1, dst_BD1),
-                       v_LBSKH=move(cache.v_LBSKH, src_BD1, dst_BD1))
+    def move_row(kv, src_D1, dst_D1):  # kv: one row, k [L, K, S, H] or v [L, K, H, S]
+      return kv.at[lead + (dst_D1,)].set(kv[lead + (src_D1,)], mode="drop")
+
+    # vmap over rows: local to each shard when the batch is sharded
+    return jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
+
+  return cache.replace(k_LBKSH=mover(K_SLOT_AXIS)(cache.k_LBKSH, src_BD1, dst_BD1),
+                       v_LBKHS=mover(V_SLOT_AXIS)(cache.v_LBKHS, src_BD1, dst_BD1))
 
 
 def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,

@@ -137,9 +137,11 @@ def test_greedy_identity_and_draft_cache_stories260k(stories, story_reference, k
     kept = np.asarray(cache.length_B)
     assert (kept >= lengths - 1 - gamma).all() and (kept <= lengths).all()
     for row, length in enumerate(kept):
-      np.testing.assert_allclose(cache.k_LBSKH[:, row, :length], fresh.k_LBSKH[:, row, :length],
+      np.testing.assert_allclose(cache.k_LBKSH[:, row, :, :length],
+                                 fresh.k_LBKSH[:, row, :, :length],
                                  err_msg=f"row {row}", **CACHE_TOL)
-      np.testing.assert_allclose(cache.v_LBSKH[:, row, :length], fresh.v_LBSKH[:, row, :length],
+      np.testing.assert_allclose(cache.v_LBKHS[:, row, ..., :length],
+                                 fresh.v_LBKHS[:, row, ..., :length],
                                  err_msg=f"row {row}", **CACHE_TOL)
 
 

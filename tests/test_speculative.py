@@ -95,9 +95,11 @@ def test_cache_invariant_after_generation(stories, story_prompts):
     for row, length in enumerate(np.asarray(c.length_B)):
       assert length >= lengths[row] - 1, (name, row)  # everything but the pending token
       assert length <= lengths[row]
-      np.testing.assert_allclose(c.k_LBSKH[:, row, :length], fresh.k_LBSKH[:, row, :length],
+      np.testing.assert_allclose(c.k_LBKSH[:, row, :, :length],
+                                 fresh.k_LBKSH[:, row, :, :length],
                                  err_msg=f"{name} cache, row {row}", **CACHE_TOL)
-      np.testing.assert_allclose(c.v_LBSKH[:, row, :length], fresh.v_LBSKH[:, row, :length],
+      np.testing.assert_allclose(c.v_LBKHS[:, row, ..., :length],
+                                 fresh.v_LBKHS[:, row, ..., :length],
                                  err_msg=f"{name} cache, row {row}", **CACHE_TOL)
 
 

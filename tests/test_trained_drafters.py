@@ -142,11 +142,11 @@ def test_drafter_cache_matches_a_fresh_pass_over_true_features(stories, story_re
                                err_msg=f"features, row {row}", **CACHE_TOL)
     assert final_B[row] - 2 * GAMMA - 1 <= length <= final_B[row]
     layers = 1 if kind == "eagle" else GAMMA
-    np.testing.assert_allclose(state.cache.k_LBSKH[:layers, row, :length],
-                               fresh.k_LBSKH[:layers, row, :length],
+    np.testing.assert_allclose(state.cache.k_LBKSH[:layers, row, :, :length],
+                               fresh.k_LBKSH[:layers, row, :, :length],
                                err_msg=f"{kind} cache, row {row}", **CACHE_TOL)
-    np.testing.assert_allclose(state.cache.v_LBSKH[:layers, row, :length],
-                               fresh.v_LBSKH[:layers, row, :length],
+    np.testing.assert_allclose(state.cache.v_LBKHS[:layers, row, ..., :length],
+                               fresh.v_LBKHS[:layers, row, ..., :length],
                                err_msg=f"{kind} cache, row {row}", **CACHE_TOL)
 
 

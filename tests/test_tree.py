@@ -333,18 +333,21 @@ def test_greedy_verifier_is_sampling_at_temperature_zero():
 # --- the cache: compaction, and after generation ---------------------------------------------
 
 def test_compact_path_moves_the_path_to_consecutive_slots():
-  k = jax.random.normal(jax.random.key(0), (2, 3, 20, 1, 2))
-  cache = KVCache(k, -k, jnp.zeros((3,), jnp.int32))
+  k = jax.random.normal(jax.random.key(0), (2, 3, 1, 20, 2))  # [L, B, K, S, H]
+  v = -k.transpose(0, 1, 2, 4, 3)  # [L, B, K, H, S]
+  cache = KVCache(k, v, jnp.zeros((3,), jnp.int32))
   start = jnp.array([2, 5, 0])
   path = jnp.array([[0, 3, 4, 0], [0, 2, 0, 0], [0, 1, 3, 6]])
   out = compact_path(cache, start, path)
   for b in range(3):
     s = int(start[b])
     for d in range(4):
-      np.testing.assert_array_equal(out.k_LBSKH[:, b, s + d], k[:, b, s + int(path[b, d])])
-      np.testing.assert_array_equal(out.v_LBSKH[:, b, s + d], -k[:, b, s + int(path[b, d])])
+      np.testing.assert_array_equal(out.k_LBKSH[:, b, :, s + d], k[:, b, :, s + int(path[b, d])])
+      np.testing.assert_array_equal(out.v_LBKHS[:, b, ..., s + d],
+                                    -k[:, b, :, s + int(path[b, d])])
     outside = np.r_[0:s, s + 4:20]
-    np.testing.assert_array_equal(out.k_LBSKH[:, b, outside], k[:, b, outside])
+    np.testing.assert_array_equal(out.k_LBKSH[:, b, :, outside], k[:, b, :, outside])
+    np.testing.assert_array_equal(out.v_LBKHS[:, b, ..., outside], -k[:, b, :, outside])
 
 
 def _check_caches_match_prefill(model, params, draft_params, out, cache, draft_state, lengths_B,
@@ -358,9 +361,11 @@ def _check_caches_match_prefill(model, params, draft_params, out, cache, draft_s
     _, _, fresh = model.apply(p, seq, positions, model.init_cache(*seq.shape))
     for row, length in enumerate(np.asarray(c.length_B)):
       assert lengths[row] - lag <= length <= lengths[row], (name, row)
-      np.testing.assert_allclose(c.k_LBSKH[:, row, :length], fresh.k_LBSKH[:, row, :length],
+      np.testing.assert_allclose(c.k_LBKSH[:, row, :, :length],
+                                 fresh.k_LBKSH[:, row, :, :length],
                                  err_msg=f"{name} cache, row {row}", **CACHE_TOL)
-      np.testing.assert_allclose(c.v_LBSKH[:, row, :length], fresh.v_LBSKH[:, row, :length],
+      np.testing.assert_allclose(c.v_LBKHS[:, row, ..., :length],
+                                 fresh.v_LBKHS[:, row, ..., :length],
                                  err_msg=f"{name} cache, row {row}", **CACHE_TOL)
 
 
