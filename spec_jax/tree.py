@@ -289,11 +289,29 @@ def grow_static_tree(spec: StaticTree, root_logp_BV: jax.Array, pending_B: jax.A
 
 
 class TreeShape:
-  """Shape properties for tree drafters with fields depth, top_k, nodes and choices.
+  """Shape properties and checks for tree drafters with fields depth, top_k, nodes, choices.
 
   `choices` (Medusa-style paths) gives a static tree and fixes the shape; otherwise the tree
   is grown dynamically to `nodes` nodes (root included), `depth` levels, `top_k` per parent.
+  Listed before TreeDrafter in the bases, so `check` and `extra_slots` here take precedence.
   """
+
+  def check(self, target, gamma: int) -> None:
+    super().check(target, gamma)
+    if self.choices is None:
+      check_dynamic_tree(self.depth, self.top_k, self.nodes)
+    else:
+      self.spec  # validates the choices
+
+  @property
+  def block_slots(self) -> int:
+    """Slots of the drafter's own cache a round uses from the root on (default: the tree's
+    block, see tree_block)."""
+    return self.tree_block
+
+  def extra_slots(self, gamma: int) -> int:
+    # the target writes the whole tree, the drafter its block, past the committed prefix
+    return max(self.num_nodes, self.block_slots)
 
   @property
   def spec(self) -> "StaticTree | None":

@@ -29,8 +29,8 @@ from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome, TreeD
 from spec_jax.generate import prefill
 from spec_jax.kv_cache import KVCache, tree_mask
 from spec_jax.sampling import SamplingConfig, warp_logits
-from spec_jax.tree import (Expansion, TokenTree, TreeShape, check_dynamic_tree,
-                           grow_dynamic_tree, grow_static_tree)
+from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
+                           grow_static_tree)
 
 
 @struct.dataclass
@@ -60,16 +60,6 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
   def block_slots(self) -> int:
     """Draft cache slots a round uses from the root on (block, or catch-up past the root)."""
     return max(self.tree_block, self.max_depth + 1)
-
-  def check(self, target, gamma: int) -> None:
-    super().check(target, gamma)
-    if self.choices is None:
-      check_dynamic_tree(self.depth, self.top_k, self.nodes)
-    else:
-      self.spec  # validates the choices
-
-  def extra_slots(self, gamma: int) -> int:
-    return max(self.num_nodes, self.block_slots)
 
   def init(self, params, prompt: PromptInfo) -> DraftTreeState:
     # the target's own prefill, run on the draft model (its last logits are unused)

@@ -40,8 +40,8 @@ from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutco
 from spec_jax.drafters.medusa import draw, tree_log_probs
 from spec_jax.kv_cache import KVCache, tree_mask
 from spec_jax.sampling import SamplingConfig
-from spec_jax.tree import (Expansion, TokenTree, TreeShape, check_dynamic_tree,
-                           grow_dynamic_tree, grow_static_tree)
+from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
+                           grow_static_tree)
 
 
 def prompt_features(prompt: PromptInfo, dtype=None) -> jax.Array:
@@ -164,21 +164,6 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
   @property
   def vocab_size(self) -> int:
     return self.model.vocab_size
-
-  @property
-  def block_slots(self) -> int:
-    """EAGLE cache slots a round's tree uses from the root (slot L-1) on."""
-    return self.tree_block
-
-  def check(self, target, gamma: int) -> None:
-    super().check(target, gamma)
-    if self.choices is None:
-      check_dynamic_tree(self.depth, self.top_k, self.nodes)
-    else:
-      self.spec  # validates the choices
-
-  def extra_slots(self, gamma: int) -> int:
-    return max(self.num_nodes, self.block_slots)
 
   def init(self, params, prompt: PromptInfo) -> EagleState:
     return eagle_init(self.model, params, prompt)

@@ -57,8 +57,8 @@ from spec_jax.drafters.eagle import (gather_positions, prompt_features, store_ve
 from spec_jax.drafters.medusa import draw, tree_log_probs
 from spec_jax.kv_cache import KVCache, causal_mask, tree_mask
 from spec_jax.sampling import SamplingConfig
-from spec_jax.tree import (Expansion, TokenTree, TreeShape, check_dynamic_tree,
-                           grow_dynamic_tree, grow_static_tree)
+from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
+                           grow_static_tree)
 
 
 @struct.dataclass
@@ -142,23 +142,11 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
   def vocab_size(self) -> int:
     return self.model.vocab_size
 
-  @property
-  def block_slots(self) -> int:
-    """Block slots of a round's tree (slot 0: the root); slot j > 0 is cache slot L-1+j."""
-    return self.tree_block
-
   def check(self, target, gamma: int) -> None:
-    super().check(target, gamma)
-    if self.choices is None:
-      check_dynamic_tree(self.depth, self.top_k, self.nodes)
-    else:
-      self.spec  # validates the choices
+    super().check(target, gamma)  # TreeShape: the tree's shape
     if self.max_depth > self.model.num_modules:
       raise ValueError(f"an MTP tree of depth {self.max_depth} needs as many modules; the "
                        f"model has {self.model.num_modules}")
-
-  def extra_slots(self, gamma: int) -> int:
-    return max(self.num_nodes, self.block_slots)
 
   def init(self, params, prompt: PromptInfo) -> MTPState:
     return mtp_init(self.model, params, prompt)
