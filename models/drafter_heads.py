@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +90,12 @@ def _abstract(ctor) -> dict:
   return nnx.to_pure_dict(nnx.split(nnx.eval_shape(ctor))[1])
 
 
+@functools.lru_cache(maxsize=None)
+def _graphdef(module_cls, cfg):
+  """The (static) graph of module_cls(cfg), built once per config: params are merged into it."""
+  return nnx.split(nnx.eval_shape(lambda: module_cls(cfg, nnx.Rngs(0))))[0]
+
+
 # --- Medusa -----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +130,6 @@ class Medusa(nnx.Module):
     return jnp.stack([head(hidden_BTD) for head in self.heads], axis=2)  # [B, T, K, D]
 
 
-@functools.lru_cache(maxsize=None)
-def _medusa_graphdef(cfg: MedusaConfig):
-  return nnx.split(nnx.eval_shape(lambda: Medusa(cfg, nnx.Rngs(0))))[0]
-
-
 @dataclasses.dataclass(frozen=True)
 class MedusaModel:
   config: MedusaConfig
@@ -149,7 +150,7 @@ class MedusaModel:
 
   def apply(self, params: HeadParams, hidden_BTD: jax.Array) -> jax.Array:
     """Target hidden states [B,T,D] -> logits [B,T,K,V]; head k (0-based) predicts x_{t+2+k}."""
-    heads = nnx.merge(_medusa_graphdef(self.config), params.own)
+    heads = nnx.merge(_graphdef(Medusa, self.config), params.own)
     return params.shared.logits(heads(hidden_BTD))
 
 
@@ -182,14 +183,13 @@ class EagleLayer(nnx.Module):
     return out_BTD, cache.replace(k_LBKSH=k, v_LBKHS=v)
 
 
-@functools.lru_cache(maxsize=None)
-def _eagle_graphdef(cfg: EagleConfig):
-  return nnx.split(nnx.eval_shape(lambda: EagleLayer(cfg, nnx.Rngs(0))))[0]
-
-
 @dataclasses.dataclass(frozen=True)
-class EagleModel:
-  config: EagleConfig
+class BlockDrafterModel:
+  """Handle shared by drafters built from Llama Blocks shaped by `config.layer` (EAGLE, MTP):
+  vocabulary and context from that layer, params of `module_cls(config)`, and a KV cache of
+  `cache_layers` layers. Subclasses set module_cls (a class attribute, not a field)."""
+  config: Any
+  module_cls: ClassVar[type]
 
   @property
   def vocab_size(self) -> int:
@@ -199,17 +199,30 @@ class EagleModel:
   def max_seq_len(self) -> int:
     return self.config.layer.max_seq_len
 
+  @property
+  def cache_layers(self) -> int:
+    return 1
+
   def init_params(self, key: jax.Array) -> dict:
-    return _pure(EagleLayer(self.config, nnx.Rngs(params=key)))
+    return _pure(self.module_cls(self.config, nnx.Rngs(params=key)))
 
   def abstract_params(self) -> dict:
-    return _abstract(lambda: EagleLayer(self.config, nnx.Rngs(0)))
+    return _abstract(lambda: self.module_cls(self.config, nnx.Rngs(0)))
+
+  def module(self, own):
+    return nnx.merge(_graphdef(self.module_cls, self.config), own)
 
   def init_cache(self, batch_size: int, max_len: int) -> KVCache:
     c = self.config.layer
-    return KVCache.zeros(num_layers=1, batch_size=batch_size, max_len=max_len,
+    return KVCache.zeros(num_layers=self.cache_layers, batch_size=batch_size, max_len=max_len,
                          num_kv_heads=c.n_kv_heads, head_dim=c.resolved_head_dim,
                          dtype=c.jnp_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleModel(BlockDrafterModel):
+  config: EagleConfig
+  module_cls = EagleLayer
 
   def apply(self, params: HeadParams, features_BTD, next_tokens_BT, positions_BT, cache: KVCache,
             *, slots_BT=None, mask_BTS=None):
@@ -222,7 +235,7 @@ class EagleModel:
       slots_BT = _default_slots(positions_BT, cache.max_len)
     if mask_BTS is None:
       mask_BTS = causal_mask(positions_BT, cache.max_len)
-    layer = nnx.merge(_eagle_graphdef(self.config), params.own)
+    layer = self.module(params.own)
     feats_BTD, cache = layer(features_BTD, params.shared.embed(next_tokens_BT), positions_BT,
                              cache, slots_BT, mask_BTS)
     # target features are post-final-norm, so predicted ones go straight into the head
@@ -266,39 +279,19 @@ class MTP(nnx.Module):
     self.modules = nnx.List([MTPModule(cfg.layer, rngs) for _ in range(cfg.num_modules)])
 
 
-@functools.lru_cache(maxsize=None)
-def _mtp_graphdef(cfg: MTPConfig):
-  return nnx.split(nnx.eval_shape(lambda: MTP(cfg, nnx.Rngs(0))))[0]
-
-
 @dataclasses.dataclass(frozen=True)
-class MTPModel:
+class MTPModel(BlockDrafterModel):
   config: MTPConfig
-
-  @property
-  def vocab_size(self) -> int:
-    return self.config.layer.vocab_size
-
-  @property
-  def max_seq_len(self) -> int:
-    return self.config.layer.max_seq_len
+  module_cls = MTP
 
   @property
   def num_modules(self) -> int:
     return self.config.num_modules
 
-  def init_params(self, key: jax.Array) -> dict:
-    return _pure(MTP(self.config, nnx.Rngs(params=key)))
-
-  def abstract_params(self) -> dict:
-    return _abstract(lambda: MTP(self.config, nnx.Rngs(0)))
-
-  def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+  @property
+  def cache_layers(self) -> int:
     """One cache layer per module: module k attends over its own sequence of h^k."""
-    c = self.config.layer
-    return KVCache.zeros(num_layers=self.config.num_modules, batch_size=batch_size,
-                         max_len=max_len, num_kv_heads=c.n_kv_heads,
-                         head_dim=c.resolved_head_dim, dtype=c.jnp_dtype)
+    return self.config.num_modules
 
   def apply_module(self, params: HeadParams, k: int, h_prev_BTD, tokens_BT, positions_BT,
                    cache: KVCache, *, slots_BT=None, mask_BTS=None):
@@ -310,7 +303,7 @@ class MTPModel:
       slots_BT = _default_slots(positions_BT, cache.max_len)
     if mask_BTS is None:
       mask_BTS = causal_mask(positions_BT, cache.max_len)
-    mtp = nnx.merge(_mtp_graphdef(self.config), params.own)
+    mtp = self.module(params.own)
     h_BTD, cache = mtp.modules[k - 1](h_prev_BTD, params.shared.embed(tokens_BT), positions_BT,
                                       cache, k - 1, slots_BT, mask_BTS)
     # h^k is a residual stream, like the target's before its final norm: the shared output
