@@ -24,8 +24,9 @@ from spec_jax.metrics import summarize
 from spec_jax.quantize import quantize_params
 from spec_jax.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
-from test_speculative import (CACHE_TOL, DEPTH, NEW, PROMPT, SAMPLES, SIGNIFICANCE, exact_joint,
-                              pvalue_vs_exact, small_pair)  # noqa: F401 (small_pair: a fixture)
+from test_speculative import (DEPTH, NEW, PROMPT, SAMPLES, SIGNIFICANCE,  # noqa: F401
+                              assert_cache_prefix_close, exact_joint, pvalue_vs_exact,
+                              small_pair)  # small_pair: a fixture
 
 # --- n-gram lookup on constructed sequences ---------------------------------------------------
 
@@ -137,12 +138,7 @@ def test_greedy_identity_and_draft_cache_stories260k(stories, story_reference, k
     kept = np.asarray(cache.length_B)
     assert (kept >= lengths - 1 - gamma).all() and (kept <= lengths).all()
     for row, length in enumerate(kept):
-      np.testing.assert_allclose(cache.k_LBKSH[:, row, :, :length],
-                                 fresh.k_LBKSH[:, row, :, :length],
-                                 err_msg=f"row {row}", **CACHE_TOL)
-      np.testing.assert_allclose(cache.v_LBKHS[:, row, ..., :length],
-                                 fresh.v_LBKHS[:, row, ..., :length],
-                                 err_msg=f"row {row}", **CACHE_TOL)
+      assert_cache_prefix_close(cache, fresh, row, length, f"row {row}")
 
 
 def test_prompt_lookup_accepts_more_on_a_repetitive_prompt(stories, reference_tokens):

@@ -32,7 +32,7 @@ from spec_jax.training import restore_best, restore_latest
 from spec_jax.tree_speculative import tree_speculative_generate
 from spec_jax.tree_verify import verify_tree
 from test_speculative import (CACHE_TOL, DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, VOCAB,
-                              exact_joint, pvalue_vs_exact)
+                              assert_cache_prefix_close, exact_joint, pvalue_vs_exact)
 
 
 
@@ -142,12 +142,8 @@ def test_drafter_cache_matches_a_fresh_pass_over_true_features(stories, story_re
                                err_msg=f"features, row {row}", **CACHE_TOL)
     assert final_B[row] - 2 * GAMMA - 1 <= length <= final_B[row]
     layers = 1 if kind == "eagle" else GAMMA
-    np.testing.assert_allclose(state.cache.k_LBKSH[:layers, row, :, :length],
-                               fresh.k_LBKSH[:layers, row, :, :length],
-                               err_msg=f"{kind} cache, row {row}", **CACHE_TOL)
-    np.testing.assert_allclose(state.cache.v_LBKHS[:layers, row, ..., :length],
-                               fresh.v_LBKHS[:layers, row, ..., :length],
-                               err_msg=f"{kind} cache, row {row}", **CACHE_TOL)
+    assert_cache_prefix_close(state.cache, fresh, row, length, f"{kind} cache, row {row}",
+                              layers=layers)
 
 
 TREES = {"medusa": lambda model: MedusaTreeDrafter(model, choices=(

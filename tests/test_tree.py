@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import perturbed
 from test_speculative import (  # noqa: F401 (small_pair, story_reference: shared fixtures)
-    CACHE_TOL, DEPTH, NEW, PROMPT, SAMPLES, SIGNIFICANCE, VOCAB, _draft, exact_joint,
-    pvalue_vs_exact, small_pair, story_reference)
+    DEPTH, NEW, PROMPT, SAMPLES, SIGNIFICANCE, VOCAB, _draft, exact_joint,
+    assert_cache_prefix_close, pvalue_vs_exact, small_pair, story_reference)
 from spec_jax.drafters.base import DraftContext, PromptInfo
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
@@ -361,12 +361,7 @@ def _check_caches_match_prefill(model, params, draft_params, out, cache, draft_s
     _, _, fresh = model.apply(p, seq, positions, model.init_cache(*seq.shape))
     for row, length in enumerate(np.asarray(c.length_B)):
       assert lengths[row] - lag <= length <= lengths[row], (name, row)
-      np.testing.assert_allclose(c.k_LBKSH[:, row, :, :length],
-                                 fresh.k_LBKSH[:, row, :, :length],
-                                 err_msg=f"{name} cache, row {row}", **CACHE_TOL)
-      np.testing.assert_allclose(c.v_LBKHS[:, row, ..., :length],
-                                 fresh.v_LBKHS[:, row, ..., :length],
-                                 err_msg=f"{name} cache, row {row}", **CACHE_TOL)
+      assert_cache_prefix_close(c, fresh, row, length, f"{name} cache, row {row}")
 
 
 # --- tree speculative generation: greedy identity on stories260K ------------------------------
