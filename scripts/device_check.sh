@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The accelerator check: run from the repository root on a GPU/TPU machine that has jax (with its
+# accelerator plugin), flax, optax, orbax-checkpoint, safetensors, tokenizers and, for the tests,
+# pytest, pytest-xdist, hypothesis, scipy, torch and transformers.
+#
+#   bash scripts/device_check.sh bench   # benchmark: 3B-shaped bf16 target (scenarios 3, 5),
+#                                        # built-in pair (scenario 2)
+#   bash scripts/device_check.sh tests   # the test suite on the accelerator
+#   bash scripts/device_check.sh all     # both (stage limits: BENCH_S, TESTS_S, BUILTIN_S seconds)
+#
+# Results go to $OUT (default runs/device). The tests need ../shared; where the checkout
+# travels alone, a copy at .device/shared is put there first.
+set -uo pipefail
+mode=${1:-bench}
+OUT=${OUT:-runs/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the one accelerator
+if [ ! -d ../shared ] && [ -d .device/shared ]; then cp -r .device/shared ../shared; fi
+python3 - <<'PY' || exit 1
+import jax, flax, optax, numpy
+print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
+      "numpy", numpy.__version__, "backend", jax.default_backend(), jax.devices())
+from models.builtin import load_builtin
+PY
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+
+bench_3b() {
+  # bf16 target of a few billion parameters' shape: synthetic acceptance (engine only) and the
+  # roofline; compiled in threads (the accelerator machine has the cores).
+  # QUICK=1: tiny sizes, to try this script on a CPU first
+  local size=(--target-size 3B); [ -n "${QUICK:-}" ] && size=(--quick)
+  timeout "${BENCH_S:-900}" python3 scripts/benchmark.py --scenarios 3,5 --dtype bfloat16 \
+    "${size[@]}" --repeats 5 --compile-workers 12 --out "$OUT/bench3b" || echo "bench 3B failed: $?"
+  cat "$OUT/bench3b/results.md" 2>/dev/null
+}
+bench_builtin() {
+  # the built-in pair (float32 weights): real, lossless speculation, with full-precision f32
+  # matmuls (the GPU default rounds f32 matmul inputs to tf32)
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${BUILTIN_S:-600}" python3 scripts/benchmark.py \
+    --scenarios 2 ${QUICK:+--quick} --repeats 5 --compile-workers 12 --out "$OUT/builtin" \
+    || echo "bench builtin failed: $?"
+  cat "$OUT/builtin/results.md" 2>/dev/null
+}
+run_tests() {
+  # full-precision f32 matmuls: the tests' tolerances are float32's
+  JAX_DEFAULT_MATMUL_PRECISION=highest OMP_NUM_THREADS=1 timeout "${TESTS_S:-1800}" \
+    python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-14}" --timeout 400 -rfE 2>&1 \
+    | tee "$OUT/pytest.log"
+}
+
+case "$mode" in
+  bench) bench_3b; bench_builtin ;;
+  tests) run_tests ;;
+  all) bench_3b; run_tests; bench_builtin ;;
+  *) echo "unknown mode $mode (bench | tests | all)"; exit 2 ;;
+esac
