@@ -31,6 +31,10 @@ from models.llama import Block, LlamaConfig, LlamaModel, Linear, RMSNorm
 from spec_jax.kv_cache import KVCache, causal_mask
 from spec_jax.quantize import dense
 
+# heads' own Blocks keep the checkpoint layout (models.params_io.LAYOUTS), whatever layout
+# the target decodes in: their files are written and read in it
+CHECKPOINT_LAYOUT = dict(fused_projections=False, kernels_out_in=False)
+
 
 # --- the target's frozen pieces ---------------------------------------------------------------
 
@@ -40,6 +44,7 @@ class SharedHead:
   embed_VD: jax.Array
   final_norm_D: jax.Array
   head_kernel_DV: Any = None  # [D, V] array or QuantizedArray; None: tied to the embedding
+  head_kernel_VD: Any = None  # [V, D]: the head of a target with LlamaConfig.kernels_out_in
   norm_eps: float = struct.field(pytree_node=False, default=1e-5)
 
   def embed(self, tokens_BT: jax.Array) -> jax.Array:
@@ -52,10 +57,12 @@ class SharedHead:
 
   def logits(self, hidden_BTD: jax.Array) -> jax.Array:
     """The target's head on an already-normalised hidden state -> float32 logits."""
-    if self.head_kernel_DV is None:
-      return jnp.einsum("...d,vd->...v", hidden_BTD, self.embed_VD,
-                        preferred_element_type=jnp.float32)
-    return dense(hidden_BTD, self.head_kernel_DV).astype(jnp.float32)
+    if self.head_kernel_DV is not None:
+      return dense(hidden_BTD, self.head_kernel_DV).astype(jnp.float32)
+    if self.head_kernel_VD is not None:
+      return dense(hidden_BTD, self.head_kernel_VD, out_in=True).astype(jnp.float32)
+    return jnp.einsum("...d,vd->...v", hidden_BTD, self.embed_VD,
+                      preferred_element_type=jnp.float32)
 
 
 def _value(x):
@@ -65,9 +72,12 @@ def _value(x):
 def shared_head(target: LlamaModel, params) -> SharedHead:
   """Picks the shared pieces out of a Llama target's params (nnx.State or pure dict)."""
   cfg = target.config
-  kernel = None if cfg.tie_embeddings else _value(params["lm_head"]["kernel"])
-  return SharedHead(_value(params["embed"]), _value(params["final_norm"]["scale"]), kernel,
-                    cfg.norm_eps)
+  head = {}
+  if not cfg.tie_embeddings:
+    head = ({"head_kernel_VD": _value(params["lm_head"]["kernel_OI"])} if cfg.kernels_out_in
+            else {"head_kernel_DV": _value(params["lm_head"]["kernel"])})
+  return SharedHead(_value(params["embed"]), _value(params["final_norm"]["scale"]),
+                    norm_eps=cfg.norm_eps, **head)
 
 
 @struct.dataclass
@@ -163,7 +173,7 @@ class EagleConfig:
   @classmethod
   def for_target(cls, target: LlamaConfig, **overrides) -> "EagleConfig":
     """One Block shaped like the target's (override e.g. hidden_dim or n_heads)."""
-    return cls(dataclasses.replace(target, n_layers=1, **overrides))
+    return cls(dataclasses.replace(target, n_layers=1, **CHECKPOINT_LAYOUT, **overrides))
 
 
 class EagleLayer(nnx.Module):
@@ -251,7 +261,8 @@ class MTPConfig:
 
   @classmethod
   def for_target(cls, target: LlamaConfig, num_modules: int = 2, **overrides) -> "MTPConfig":
-    return cls(dataclasses.replace(target, n_layers=1, **overrides), num_modules)
+    return cls(dataclasses.replace(target, n_layers=1, **CHECKPOINT_LAYOUT, **overrides),
+               num_modules)
 
 
 class MTPModule(nnx.Module):

@@ -38,6 +38,12 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   qkv_bias: bool = False
   tie_embeddings: bool = True
+  # Decoding layouts (checkpoints keep the separate [in, out] one; params_io.to_layout
+  # converts after loading). fused_projections: one QKV and one gate/up matmul per layer (4
+  # matmuls, not 7). kernels_out_in: every kernel stored [out, in] (`kernel_OI`), which
+  # XLA:CPU streams faster in one-token steps but multiplies slower in multi-token passes.
+  fused_projections: bool = False
+  kernels_out_in: bool = False
   dtype: str = "float32"  # parameter and activation dtype; norms and softmax run in float32
 
   def __post_init__(self):
@@ -85,16 +91,24 @@ def _normal(key, shape, dtype, std):
 
 
 class Linear(nnx.Module):
-  """y = x @ kernel[in, out] (+ bias). The kernel may be an int8 QuantizedArray."""
+  """y = x @ W (+ bias), W stored as `kernel` [in, out] or, with out_in, `kernel_OI`
+  [out, in]. Either may be an int8 QuantizedArray(OI)."""
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-               rngs: nnx.Rngs):
-    self.kernel = nnx.Param(_normal(rngs.params(), (in_features, out_features), dtype,
-                                    in_features ** -0.5))
+               rngs: nnx.Rngs, out_in: bool = False):
+    w_IO = _normal(rngs.params(), (in_features, out_features), dtype, in_features ** -0.5)
+    if out_in:
+      self.kernel_OI = nnx.Param(w_IO.T)
+    else:
+      self.kernel = nnx.Param(w_IO)
     self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
   def __call__(self, x):
-    y = dense(x, self.kernel.get_value())  # get_value: the kernel may be a QuantizedArray pytree
+    # get_value: the kernel may be a QuantizedArray pytree
+    if hasattr(self, "kernel_OI"):
+      y = dense(x, self.kernel_OI.get_value(), out_in=True)
+    else:
+      y = dense(x, self.kernel.get_value())
     return y + self.bias[...] if self.bias is not None else y
 
 
@@ -125,10 +139,23 @@ class Attention(nnx.Module):
     d, hd, dt = cfg.dim, cfg.resolved_head_dim, cfg.jnp_dtype
     self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
     self.rope_theta = cfg.rope_theta
-    self.wq = Linear(d, cfg.n_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-    self.wk = Linear(d, cfg.n_kv_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-    self.wv = Linear(d, cfg.n_kv_heads * hd, use_bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-    self.wo = Linear(cfg.n_heads * hd, d, use_bias=False, dtype=dt, rngs=rngs)
+    q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    kw = dict(dtype=dt, rngs=rngs, out_in=cfg.kernels_out_in)
+    if cfg.fused_projections:  # outputs [q | k | v]
+      self.wqkv = Linear(d, q_out + 2 * kv_out, use_bias=cfg.qkv_bias, **kw)
+    else:
+      self.wq = Linear(d, q_out, use_bias=cfg.qkv_bias, **kw)
+      self.wk = Linear(d, kv_out, use_bias=cfg.qkv_bias, **kw)
+      self.wv = Linear(d, kv_out, use_bias=cfg.qkv_bias, **kw)
+    self.wo = Linear(q_out, d, use_bias=False, **kw)
+
+  def project_qkv(self, x_BTD):
+    """-> (q [B,T,H*Dh], k [B,T,K*Dh], v [B,T,K*Dh]), from one fused matmul or three."""
+    if not hasattr(self, "wqkv"):
+      return self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
+    q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    qkv = self.wqkv(x_BTD)
+    return qkv[..., :q_out], qkv[..., q_out:q_out + kv_out], qkv[..., q_out + kv_out:]
 
   def __call__(self, x_BTD, positions_BT, k_LBKSH, v_LBKHS, layer: int, slots_BT, mask_BTS):
     """Writes this layer's new K/V into the stacked caches (in place under jit) and attends.
@@ -137,9 +164,10 @@ class Attention(nnx.Module):
     """
     B, T, _ = x_BTD.shape
     K, G, Dh = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
-    q_BTHD = apply_rope(self.wq(x_BTD).reshape(B, T, K * G, Dh), positions_BT, self.rope_theta)
-    k_BTKD = apply_rope(self.wk(x_BTD).reshape(B, T, K, Dh), positions_BT, self.rope_theta)
-    v_BTKD = self.wv(x_BTD).reshape(B, T, K, Dh)
+    q, k, v = self.project_qkv(x_BTD)
+    q_BTHD = apply_rope(q.reshape(B, T, K * G, Dh), positions_BT, self.rope_theta)
+    k_BTKD = apply_rope(k.reshape(B, T, K, Dh), positions_BT, self.rope_theta)
+    v_BTKD = v.reshape(B, T, K, Dh)
     k_LBKSH = write_rows(k_LBKSH, slots_BT, k_BTKD, layer, slot_axis=K_SLOT_AXIS)
     v_LBKHS = write_rows(v_LBKHS, slots_BT, v_BTKD, layer, slot_axis=V_SLOT_AXIS)
     k_cache_BKSD, v_cache_BKDS = k_LBKSH[layer], v_LBKHS[layer]
@@ -155,13 +183,21 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-    dt = cfg.jnp_dtype
-    self.w_gate = Linear(cfg.dim, cfg.hidden_dim, use_bias=False, dtype=dt, rngs=rngs)
-    self.w_up = Linear(cfg.dim, cfg.hidden_dim, use_bias=False, dtype=dt, rngs=rngs)
-    self.w_down = Linear(cfg.hidden_dim, cfg.dim, use_bias=False, dtype=dt, rngs=rngs)
+    d, f = cfg.dim, cfg.hidden_dim
+    kw = dict(use_bias=False, dtype=cfg.jnp_dtype, rngs=rngs, out_in=cfg.kernels_out_in)
+    if cfg.fused_projections:  # outputs [gate | up]
+      self.w_gate_up = Linear(d, 2 * f, **kw)
+    else:
+      self.w_gate = Linear(d, f, **kw)
+      self.w_up = Linear(d, f, **kw)
+    self.w_down = Linear(f, d, **kw)
 
   def __call__(self, x):
-    return self.w_down(jax.nn.silu(self.w_gate(x)) * self.w_up(x))
+    if hasattr(self, "w_gate_up"):
+      gate, up = jnp.split(self.w_gate_up(x), 2, axis=-1)
+    else:
+      gate, up = self.w_gate(x), self.w_up(x)
+    return self.w_down(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
@@ -188,7 +224,8 @@ class Llama(nnx.Module):
     self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=cfg.jnp_dtype)
     self.lm_head = (None if cfg.tie_embeddings else
-                    Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype, rngs=rngs))
+                    Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
+                           rngs=rngs, out_in=cfg.kernels_out_in))
 
   def embed_tokens(self, tokens_BT):
     return jnp.take(self.embed[...], tokens_BT, axis=0)

@@ -6,6 +6,8 @@ Every checkpoint reader converts its file's tensors to our names and layouts, th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,3 +71,44 @@ def permute_adjacent_to_half(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
   head_dim = out_f // n_heads
   return (w_OI.reshape(n_heads, head_dim // 2, 2, in_f).transpose(0, 2, 1, 3)
           .reshape(out_f, in_f))
+
+
+# {layout name: LlamaConfig layout fields}; "checkpoint" is what every reader and writer uses
+LAYOUTS = {"checkpoint": dict(fused_projections=False, kernels_out_in=False),
+           "fused": dict(fused_projections=True, kernels_out_in=False),
+           "fused_out_in": dict(fused_projections=True, kernels_out_in=True)}
+# fused kernels: {fused module suffix: the separate ones, concatenated in this order}
+_FUSED_PARTS = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"),
+                "mlp.w_gate_up": ("mlp.w_gate", "mlp.w_up")}
+
+
+def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.State]:
+  """The same function with its params in another LlamaConfig layout (LAYOUTS).
+
+  From the checkpoint layout only: readers, writers, HF conversion and tensor-parallel
+  sharding use it; convert after loading, for decoding. Fused outputs are concatenated
+  ([q | k | v], [gate | up]), so logits agree with the checkpoint layout up to float
+  rounding. Plain arrays only: convert, then quantize (spec_jax.quantize knows `kernel_OI`).
+  """
+  if layout not in LAYOUTS:
+    raise ValueError(f"unknown layout {layout!r}; choose from {sorted(LAYOUTS)}")
+  cfg = model.config
+  current = {k: getattr(cfg, k) for k in LAYOUTS["checkpoint"]}
+  if current == LAYOUTS[layout]:
+    return model, params
+  if current != LAYOUTS["checkpoint"]:
+    raise ValueError(f"to_layout: the model is not in the checkpoint layout ({current})")
+  flat = {path_to_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+  if any(name.endswith((".values_IO", ".scale_O")) for name in flat):
+    raise ValueError("to_layout: params are int8-quantized; convert, then quantize")
+  new_model = dataclasses.replace(model, config=dataclasses.replace(cfg, **LAYOUTS[layout]))
+  out = {}
+  for name in flat_names(new_model):
+    base, _, leaf = name.rpartition(".")  # "layers.3.attn.wqkv", "kernel_OI"
+    fused = next((f for f in _FUSED_PARTS if base.endswith("." + f)), None)
+    sources = [base[:-len(fused)] + part for part in _FUSED_PARTS[fused]] if fused else [base]
+    source_leaf = "kernel" if leaf == "kernel_OI" else leaf
+    parts = [flat[f"{src}.{source_leaf}" if src else source_leaf] for src in sources]
+    w = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    out[name] = w.T if leaf == "kernel_OI" else w
+  return new_model, params_from_flat(new_model, out, source=f"to_layout({layout!r})")

@@ -74,11 +74,17 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r".*attn\.w[kv]\.bias", ("kv_heads",)),
     (r".*mlp\.w_(gate|up)\.kernel", ("embed", "mlp")),
     (r".*mlp\.w_down\.kernel", ("mlp", "embed")),
+    # fused projections (LlamaConfig.fused_projections) mix q/k/v or gate/up columns, which
+    # the Megatron split cannot cut by heads: they stay whole. Tensor parallelism wants the
+    # separate layout; fusing pays on one device.
+    (r".*attn\.wqkv\.kernel", ("embed", None)),
+    (r".*attn\.wqkv\.bias", (None,)),
+    (r".*mlp\.w_gate_up\.kernel", ("embed", None)),
     (r".*norm\.scale", ("embed",)),
 )
 _HEAD_AXES = ("q_heads", "kv_heads")
 # int8 QuantizedArray leaves (spec_jax.quantize): values [in, out], scale [out]
-_QUANT_SUFFIX = {"values_IO": slice(None), "scale_O": slice(-1, None)}
+_QUANT_SUFFIX = {"values_IO": slice(None), "values_OI": slice(None), "scale_O": slice(-1, None)}
 
 
 # --- mesh ---------------------------------------------------------------------------------
@@ -151,8 +157,14 @@ def param_logical_axes(name: str) -> tuple[str, ...]:
   pick = _QUANT_SUFFIX.get(last)
   if pick is None:
     base = name
+  out_in = base.endswith(".kernel_OI")  # LlamaConfig.kernels_out_in: the table's, reversed
+  if out_in:
+    base = base[:-len("_OI")]
   for pattern, axes in PARAM_AXES:
     if re.fullmatch(pattern, base):
+      axes = axes[::-1] if out_in else axes
+      if pick is not None and last == "scale_O":  # one scale per output channel
+        return axes[:1] if out_in else axes[-1:]
       return axes[pick] if pick is not None else axes
   raise ValueError(f"parameter {name}: no sharding rule matches it; add a pattern to "
                    "spec_jax.sharding.PARAM_AXES")
