@@ -61,7 +61,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "each) and whether the outputs are identical")
   p.add_argument("--stream", action="store_true", help="print text as it is produced")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+  p.add_argument("--layout", default="fused", choices=("checkpoint", "fused", "fused_out_in"),
+                 help="params layout to decode in (models.params_io.LAYOUTS): fused QKV and "
+                      "gate/up matmuls by default; fused_out_in also stores kernels [out, in], "
+                      "faster for one-token steps of large models on CPU, slower to verify")
   return p.parse_args(argv)
+
+
+def for_decoding(args, model, params):
+  """Llama models decode in --layout (models.params_io.to_layout)."""
+  from models.llama import LlamaModel
+  from models.params_io import to_layout
+  if not isinstance(model, LlamaModel):
+    return model, params
+  return to_layout(model, params, args.layout)
 
 
 def load_target_and_tokenizer(args):
@@ -70,9 +83,10 @@ def load_target_and_tokenizer(args):
   if args.model == "builtin":
     from models.builtin import load_builtin
     target, params, draft, draft_params, tokenizer = load_builtin()
-    return target, params, tokenizer, (draft, draft_params)
+    return (*for_decoding(args, target, params), tokenizer,
+            for_decoding(args, draft, draft_params))
   from models.loading import find_tokenizer_path, load_model
-  target, params = load_model(args.model)
+  target, params = for_decoding(args, *load_model(args.model))
   tok_path = args.tokenizer or find_tokenizer_path(args.model)
   if tok_path is None:
     raise SystemExit(f"no tokenizer found beside {args.model}; pass --tokenizer")
@@ -91,7 +105,7 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
     if args.draft_model:
       from models.loading import find_tokenizer_path, load_model
       from models.tokenizer import check_same_tokenizer, load_tokenizer
-      draft_model, draft_params = load_model(args.draft_model)
+      draft_model, draft_params = for_decoding(args, *load_model(args.draft_model))
       draft_tok = find_tokenizer_path(args.draft_model)
       if draft_tok is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
