@@ -100,6 +100,11 @@ def test_quick_benchmark_scenario_contents(quick_run):
   assert s["3"]["costs"]["target_step"]["step_s"] > 0
   roofline = s["5"]["roofline"]
   assert roofline["ratio"] > 0 and isinstance(roofline["meets_target"], bool)
+  from models.params_io import LAYOUTS
+  assert set(roofline["layouts"]) == set(LAYOUTS)  # every params layout, side by side
+  for layout in roofline["layouts"].values():
+    assert layout["step_s"] > 0 and layout["pass_5_tokens_s"] > 0 and layout["ratio"] > 0
+  assert roofline["step_s"] == min(v["step_s"] for v in roofline["layouts"].values())
   if s["4"]["status"] == "ok":
     for model in s["4"]["models"]:
       assert set(model["ours_over_hf"]) == {"plain", "draft_model", "prompt_lookup"}
