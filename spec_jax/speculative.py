@@ -2,7 +2,8 @@
 
 Each round, with fixed shapes whatever each row accepts:
   1. draft:  the drafter proposes gamma tokens per row;
-  2. verify: one target pass over [pending, d_1..d_gamma] at positions L..L+gamma;
+  2. verify: one target pass over [pending, d_1..d_gamma] at positions L..L+gamma (a
+     one-token step instead when the drafter proposed nothing in any row: empty_rows);
   3. accept: the verifier returns num_accepted [B] and the next token [B];
   4. commit: write the kept tokens into the buffer at each row's offset (stopping at EOS
      and at the row's budget), move the target cache length to L + accepted + 1 (the rest
@@ -26,7 +27,7 @@ from spec_jax.generate import (CausalLM, GenerationOutput, budgets_array,
                                write_tokens)
 from spec_jax.kv_cache import KVCache
 from spec_jax.metrics import SpecMetrics
-from spec_jax.sampling import SamplingConfig
+from spec_jax.sampling import SamplingConfig, sample
 from spec_jax.verify import verify
 
 
@@ -62,9 +63,26 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
 
   block_BG1 = jnp.concatenate([s.pending_B[:, None], draft_tokens_BG], axis=1)
   positions_BG1 = length_B[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
-  logits_BG1V, hidden_BG1D, cache = target.apply(params, block_BG1, positions_BG1, s.cache)
-  num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
-                                  verify_key)
+
+  def verify_drafts(cache):
+    logits_BG1V, hidden_BG1D, cache = target.apply(params, block_BG1, positions_BG1, cache)
+    num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
+                                      verify_key)
+    return num_accepted_B, next_B, hidden_BG1D, cache
+
+  def one_step(cache):  # nothing drafted anywhere: an autoregressive step, no rejection
+    logits_B1V, hidden_B1D, cache = target.apply(params, block_BG1[:, :1],
+                                                 positions_BG1[:, :1], cache)
+    next_B = sample(verify_key, logits_B1V[:, 0], sampling)
+    hidden_BG1D = jnp.pad(hidden_B1D, ((0, 0), (0, gamma), (0, 0)))  # past row 0: never read
+    return jnp.zeros_like(next_B), next_B, hidden_BG1D, cache
+
+  empty_B = drafter.empty_rows(draft_state)
+  if empty_B is None:
+    num_accepted_B, next_B, hidden_BG1D, cache = verify_drafts(s.cache)
+  else:
+    num_accepted_B, next_B, hidden_BG1D, cache = jax.lax.cond(
+        jnp.all(empty_B), one_step, verify_drafts, s.cache)
   return commit_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, cache,
                       draft_state, draft_tokens_BG, num_accepted_B, next_B, hidden_BG1D)
 

@@ -221,6 +221,35 @@ def test_sampled_distribution_matches_target(small_pair, kind, sampling):
   assert _sample(small_pair, drafter, draft_params, sampling) > SIGNIFICANCE
 
 
+def test_rounds_without_any_match_sample_the_target_directly(small_pair):
+  """3-gram lookup on 3-token prompts finds nothing in the first rounds: every row is empty,
+  so those rounds run one target step and sample from p (the one-step branch)."""
+  assert _sample(small_pair, PromptLookupDrafter(3, 3), None, SamplingConfig(0.7, top_k=4)) \
+      > SIGNIFICANCE
+
+
+@dataclasses.dataclass(frozen=True)
+class AlwaysEmpty(DraftModelDrafter):
+  """A perfect draft that claims to have proposed nothing: only the one-step branch runs."""
+
+  def empty_rows(self, state):
+    return jnp.ones(state.cache.length_B.shape, bool)
+
+
+def test_all_empty_rounds_take_one_step_and_keep_the_output(stories, story_reference):
+  model, params = stories
+  prompts, reference = story_reference
+  perfect = speculative_generate(model, params, DraftModelDrafter(model), params, *prompts,
+                                 gamma=3, max_new_tokens=NEW, eos_id=1)
+  empty = speculative_generate(model, params, AlwaysEmpty(model), params, *prompts, gamma=3,
+                               max_new_tokens=NEW, eos_id=1)
+  for out in (perfect, empty):
+    assert np.array_equal(out.tokens, reference.tokens)
+    assert np.array_equal(out.num_tokens, reference.num_tokens)
+  assert summarize(perfect.metrics)["mean_accepted"] > 2.5  # the drafts are the target's own
+  assert summarize(empty.metrics)["mean_accepted"] == 0  # never verified: one step a round
+
+
 @dataclasses.dataclass(frozen=True)
 class OtherDraftersQ(FallbackDrafter):
   """Wrong on purpose: rows that took lookup's tokens get the draft model's q, not one-hot."""

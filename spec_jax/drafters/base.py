@@ -83,6 +83,15 @@ class Drafter:
   def commit(self, params, state, outcome: RoundOutcome) -> Any:
     return state
 
+  def empty_rows(self, state) -> jax.Array | None:
+    """[B] bool, from the state `propose` returned: rows whose drafts are placeholders (the
+    drafter found nothing to propose). None: every row always drafts.
+
+    When every row is empty, the round runs one target step instead of a (gamma + 1)-token
+    pass: not verifying placeholders is as exact as rejecting them.
+    """
+    return None
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeDrafter(Drafter):

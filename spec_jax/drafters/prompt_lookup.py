@@ -101,3 +101,6 @@ class PromptLookupDrafter(Drafter):
     tokens_BG, found_B = ngram_lookup(ctx.seq_BS, ctx.position_B + 1, gamma, self.max_ngram,
                                       self.min_ngram)
     return tokens_BG, None, PromptLookupState(found_B)
+
+  def empty_rows(self, state: PromptLookupState) -> jax.Array:
+    return ~state.found_B
