@@ -288,13 +288,26 @@ def grow_static_tree(spec: StaticTree, root_logp_BV: jax.Array, pending_B: jax.A
   return spec.tree(tokens_BN), carry
 
 
+@dataclasses.dataclass(frozen=True)
 class TreeShape:
-  """Shape properties and checks for tree drafters with fields depth, top_k, nodes, choices.
+  """The fields, shape properties and checks of the tree drafters that rank a model's
+  next-token log-probs: `model` (hashable; it names the vocabulary), depth, top_k, nodes,
+  choices.
 
   `choices` (Medusa-style paths) gives a static tree and fixes the shape; otherwise the tree
   is grown dynamically to `nodes` nodes (root included), `depth` levels, `top_k` per parent.
-  Listed before TreeDrafter in the bases, so `check` and `extra_slots` here take precedence.
+  Listed before TreeDrafter in the bases, so `check`, `extra_slots` and `vocab_size` here
+  take precedence.
   """
+  model: object
+  depth: int = 4
+  top_k: int = 3
+  nodes: int = 16
+  choices: tuple | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
 
   def check(self, target, gamma: int) -> None:
     super().check(target, gamma)

@@ -45,16 +45,8 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
   Dynamic: each depth expands the top_k best frontier nodes by cumulative draft log-prob;
   `nodes` (root included) best candidates form the tree. Static: node of rank r is its
   parent's r-th best draft token; depth, top_k and nodes are then taken from the choices.
+  `model`: a CausalLM (hashable); draft_params: its params.
   """
-  model: object  # a CausalLM, hashable
-  depth: int = 4
-  top_k: int = 3
-  nodes: int = 16
-  choices: tuple | None = None
-
-  @property
-  def vocab_size(self) -> int:
-    return self.model.vocab_size
 
   @property
   def block_slots(self) -> int:

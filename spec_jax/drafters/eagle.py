@@ -154,16 +154,8 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
 
   Children are ranked by the draft's log-probs (warped when sampling): the tree is a
   deterministic function of the context, so tree verification with one-hot q is lossless.
+  `model`: a models.drafter_heads.EagleModel; params: HeadParams.
   """
-  model: object  # models.drafter_heads.EagleModel (hashable); params: HeadParams
-  depth: int = 4
-  top_k: int = 3
-  nodes: int = 16
-  choices: tuple | None = None
-
-  @property
-  def vocab_size(self) -> int:
-    return self.model.vocab_size
 
   def init(self, params, prompt: PromptInfo) -> EagleState:
     return eagle_init(self.model, params, prompt)

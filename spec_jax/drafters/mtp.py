@@ -131,16 +131,8 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
 
   Children are ranked by the draft's log-probs (warped when sampling): the tree is a
   deterministic function of the context, so tree verification with one-hot q is lossless.
+  `model`: a models.drafter_heads.MTPModel; params: HeadParams.
   """
-  model: object  # models.drafter_heads.MTPModel (hashable); params: HeadParams
-  depth: int = 4
-  top_k: int = 3
-  nodes: int = 16
-  choices: tuple | None = None
-
-  @property
-  def vocab_size(self) -> int:
-    return self.model.vocab_size
 
   def check(self, target, gamma: int) -> None:
     super().check(target, gamma)  # TreeShape: the tree's shape
