@@ -27,13 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from models.llama import Block, LlamaConfig, LlamaModel, Linear, RMSNorm
+from models.llama import LAYOUTS, Block, LlamaConfig, LlamaModel, Linear, RMSNorm
 from spec_jax.kv_cache import KVCache, causal_mask
 from spec_jax.quantize import dense
-
-# heads' own Blocks keep the checkpoint layout (models.params_io.LAYOUTS), whatever layout
-# the target decodes in: their files are written and read in it
-CHECKPOINT_LAYOUT = dict(fused_projections=False, kernels_out_in=False)
 
 
 # --- the target's frozen pieces ---------------------------------------------------------------
@@ -173,7 +169,9 @@ class EagleConfig:
   @classmethod
   def for_target(cls, target: LlamaConfig, **overrides) -> "EagleConfig":
     """One Block shaped like the target's (override e.g. hidden_dim or n_heads)."""
-    return cls(dataclasses.replace(target, n_layers=1, **CHECKPOINT_LAYOUT, **overrides))
+    # the head's Block keeps the checkpoint layout, whatever layout the target decodes in:
+    # drafter files are written and read in it
+    return cls(dataclasses.replace(target, n_layers=1, **LAYOUTS["checkpoint"], **overrides))
 
 
 class EagleLayer(nnx.Module):
@@ -261,7 +259,7 @@ class MTPConfig:
 
   @classmethod
   def for_target(cls, target: LlamaConfig, num_modules: int = 2, **overrides) -> "MTPConfig":
-    return cls(dataclasses.replace(target, n_layers=1, **CHECKPOINT_LAYOUT, **overrides),
+    return cls(dataclasses.replace(target, n_layers=1, **LAYOUTS["checkpoint"], **overrides),
                num_modules)
 
 

@@ -24,6 +24,13 @@ from spec_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, causal_mask, wr
 from spec_jax.quantize import dense
 
 
+# Params layouts: {name: LlamaConfig layout fields}. "checkpoint" is what every reader and
+# writer uses; models.params_io.to_layout converts to the others after loading.
+LAYOUTS = {"checkpoint": dict(fused_projections=False, kernels_out_in=False),
+           "fused": dict(fused_projections=True, kernels_out_in=False),
+           "fused_out_in": dict(fused_projections=True, kernels_out_in=True)}
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   vocab_size: int
@@ -38,8 +45,7 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   qkv_bias: bool = False
   tie_embeddings: bool = True
-  # Decoding layouts (checkpoints keep the separate [in, out] one; params_io.to_layout
-  # converts after loading). fused_projections: one QKV and one gate/up matmul per layer (4
+  # Layout fields (LAYOUTS; checkpoints keep the separate [in, out] layout). fused_projections: one QKV and one gate/up matmul per layer (4
   # matmuls, not 7). kernels_out_in: every kernel stored [out, in] (`kernel_OI`), which
   # XLA:CPU streams faster in one-token steps but multiplies slower in multi-token passes.
   fused_projections: bool = False
@@ -62,6 +68,11 @@ class LlamaConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+  @property
+  def layout(self) -> dict[str, bool]:
+    """This config's layout fields (the values of one of LAYOUTS)."""
+    return {name: getattr(self, name) for name in LAYOUTS["checkpoint"]}
 
   @property
   def jnp_dtype(self):

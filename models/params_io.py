@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import LlamaModel
+from models.llama import LAYOUTS, LlamaModel
 
 
 class CheckpointError(ValueError):
@@ -73,17 +73,13 @@ def permute_adjacent_to_half(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
           .reshape(out_f, in_f))
 
 
-# {layout name: LlamaConfig layout fields}; "checkpoint" is what every reader and writer uses
-LAYOUTS = {"checkpoint": dict(fused_projections=False, kernels_out_in=False),
-           "fused": dict(fused_projections=True, kernels_out_in=False),
-           "fused_out_in": dict(fused_projections=True, kernels_out_in=True)}
 # fused kernels: {fused module suffix: the separate ones, concatenated in this order}
 _FUSED_PARTS = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"),
                 "mlp.w_gate_up": ("mlp.w_gate", "mlp.w_up")}
 
 
 def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.State]:
-  """The same function with its params in another LlamaConfig layout (LAYOUTS).
+  """The same function with its params in another layout (models.llama.LAYOUTS).
 
   From the checkpoint layout only: readers, writers, HF conversion and tensor-parallel
   sharding use it; convert after loading, for decoding. Fused outputs are concatenated
@@ -93,7 +89,7 @@ def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.S
   if layout not in LAYOUTS:
     raise ValueError(f"unknown layout {layout!r}; choose from {sorted(LAYOUTS)}")
   cfg = model.config
-  current = {k: getattr(cfg, k) for k in LAYOUTS["checkpoint"]}
+  current = cfg.layout
   if current == LAYOUTS[layout]:
     return model, params
   if current != LAYOUTS["checkpoint"]:

@@ -41,7 +41,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from models.llama import LAYOUTS, LlamaConfig, LlamaModel  # noqa: E402
+from models.params_io import to_layout  # noqa: E402
 from spec_jax.generate import (NO_EOS, GenerationOutput, _generate_jit, budgets_array,  # noqa: E402
                                check_generation_args, generate, pad_prompts)
 from spec_jax.metrics import summarize  # noqa: E402
@@ -87,7 +88,7 @@ class Plan:
   s4_gamma: int = 4
   s4_new: int = 128
   prompt_width: int = 16
-  layout: str = "fused"  # models.params_io.LAYOUTS: how our models' params are laid out
+  layout: str = "fused"  # models.llama.LAYOUTS: how our models' params are laid out
 
 
 QUICK = Plan(
@@ -125,17 +126,6 @@ def log(msg: str) -> None:
 def random_model(seed: int, max_seq_len: int = 512, **cfg) -> tuple[LlamaModel, Any]:
   model = LlamaModel(LlamaConfig(max_seq_len=max_seq_len, **cfg))
   return model, model.init_params(jax.random.key(seed))
-
-
-def decoding_layout(plan: "Plan", model, params):
-  """Our models as they decode: in plan.layout (--layout)."""
-  from models.params_io import to_layout
-  return to_layout(model, params, plan.layout)
-
-
-def layout_fields(layout: str) -> dict:
-  from models.params_io import LAYOUTS
-  return LAYOUTS[layout]
 
 
 def param_bytes(params) -> int:
@@ -427,9 +417,7 @@ def pad_width(prompts, minimum: int) -> int:
 def stories_drafters(model, params) -> list[tuple[str, str, dict]]:
   """(row label, factory kind, options)."""
   small = random_model(7, max_seq_len=model.max_seq_len, vocab_size=model.vocab_size, dim=32,
-                       n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
-                       fused_projections=model.config.fused_projections,
-                       kernels_out_in=model.config.kernels_out_in)
+                       n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, **model.config.layout)
   k = max(1, model.config.n_layers // 2)
   n = model.config.n_layers
   return [
@@ -450,7 +438,7 @@ def scenario_1(plan: Plan, ctx: dict) -> dict:
     return skipped(f"{path} not found (the ../shared folder beside the repository)")
   from models.llama2c import load_llama2c
   from models.tokenizer import load_tokenizer
-  model, params = decoding_layout(plan, *load_llama2c(str(path)))
+  model, params = to_layout(*load_llama2c(str(path)), plan.layout)
   tokenizer = load_tokenizer(str(STORIES / "tok512.bin"))
   prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
   width = pad_width(prompts, plan.prompt_width)
@@ -495,8 +483,8 @@ def scenario_2(plan: Plan, ctx: dict) -> dict:
     target, params, draft, draft_params, tokenizer = load_builtin()
   except Exception as e:  # noqa: BLE001  e.g. the checkpoint is still being trained
     return skipped(f"load_builtin() failed: {type(e).__name__}: {e}")
-  target, params = decoding_layout(plan, target, params)
-  draft, draft_params = decoding_layout(plan, draft, draft_params)
+  target, params = to_layout(target, params, plan.layout)
+  draft, draft_params = to_layout(draft, draft_params, plan.layout)
   bos = tokenizer.bos_id is not None
   prompts = [tokenizer.encode(p, add_bos=bos) for p in CODE_PROMPTS[:plan.s2_prompts]]
   width = pad_width(prompts, plan.prompt_width)
@@ -577,7 +565,7 @@ def memory_bound_pair(plan: Plan, ctx: dict):
   """The ~300M target and its small draft (shared by scenarios 3 and 5)."""
   if "s3_pair" not in ctx:
     log(f"building random target {plan.s3_target} and draft {plan.s3_draft} ...")
-    layout = dict(dtype=plan.s3_dtype, **layout_fields(plan.layout))
+    layout = dict(dtype=plan.s3_dtype, **LAYOUTS[plan.layout])
     target = random_model(0, **layout, **plan.s3_target)
     draft = random_model(1, **layout, **plan.s3_draft)
     jax.block_until_ready((target[1], draft[1]))
@@ -690,8 +678,8 @@ def s4_model(name: str, plan: Plan, tmp: str) -> dict:
   draft, draft_params = random_model(11, **draft_cfg)
   hf_target = to_hf(target, params, os.path.join(tmp, f"{name}-target"))
   hf_draft = to_hf(draft, draft_params, os.path.join(tmp, f"{name}-draft"))
-  target, params = decoding_layout(plan, target, params)
-  draft, draft_params = decoding_layout(plan, draft, draft_params)
+  target, params = to_layout(target, params, plan.layout)  # HF got the checkpoint layout
+  draft, draft_params = to_layout(draft, draft_params, plan.layout)
   g, new = plan.s4_gamma, plan.s4_new
   # a fixed number of drafts per round: HF's dynamic schedules off
   hf_draft.generation_config.num_assistant_tokens = g
@@ -778,7 +766,6 @@ def _tree_sum(params):
 
 
 def scenario_5(plan: Plan, ctx: dict) -> dict:
-  from models.params_io import LAYOUTS
   (target, params), _ = memory_bound_pair(plan, ctx)
   nbytes = param_bytes(params)
   n = 1024
@@ -794,7 +781,7 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
   pass_tokens = 5  # a gamma-4 verification: the pass speculation's target runs
   for layout in LAYOUTS:  # the same shapes in every params layout, side by side
     other = (target, params) if layout == plan.layout else random_model(
-        0, dtype=plan.s3_dtype, **layout_fields(layout), **plan.s3_target)
+        0, dtype=plan.s3_dtype, **LAYOUTS[layout], **plan.s3_target)
     if layout != plan.layout:
       thunks[f"step {layout}"], _ = step_loop(*other, tokens=1, **loop)
     thunks[f"pass {layout}"], _ = step_loop(*other, tokens=pass_tokens, **loop)
@@ -814,7 +801,7 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
   notes = ["roofline = the faster of a [N] x [N, M] matvec over the same bytes and a sum of "
            "all params; step = one token, batch 1, in a fori_loop of "
            f"{step_info['steps']} steps; timed interleaved",
-           "step in each params layout (models.params_io.LAYOUTS): checkpoint = 7 matmuls per "
+           "step in each params layout (models.llama.LAYOUTS): checkpoint = 7 matmuls per "
            "layer, kernels [in, out]; fused = 4 (QKV, gate/up fused); fused_out_in = 4, "
            f"kernels [out, in]. The headline is the fastest ({best}); pass_{pass_tokens}_tokens_s: "
            f"one {pass_tokens}-token pass (a gamma-{pass_tokens - 1} verification) per layout"]
@@ -930,16 +917,13 @@ def markdown(results: dict) -> str:
       lines += [f"Weights {s['param_bytes'] / 2**20:.0f} MiB. Stream once: matvec "
                 f"{r['matvec_s'] * 1e3:.2f} ms, tree sum {r['tree_sum_s'] * 1e3:.2f} ms "
                 f"({r['bandwidth_GBps']:.1f} GB/s). One autoregressive step "
-                f"{r['step_s'] * 1e3:.2f} ms ({r['step_GBps']:.1f} GB/s). Ratio "
-                f"**{r['ratio']:.2f}** of roofline (target {r['target_ratio']}: "
-                f"{'met' if r['meets_target'] else 'NOT met'})."]
-      lines[-1] = lines[-1].replace("One autoregressive step",
-                                    f"One autoregressive step ({r['step_layout']} layout)")
-      lines[-1] += " By layout, one step (ratio) and one 5-token pass: " + ", ".join(
-          f"{k} {v['step_s'] * 1e3:.2f} ms ({v['ratio']:.2f}) and "
-          f"{v.get('pass_5_tokens_s', float('nan')) * 1e3:.2f} ms"
-          for k, v in r["layouts"].items())
-      lines[-1] += "."
+                f"({r['step_layout']} layout) {r['step_s'] * 1e3:.2f} ms "
+                f"({r['step_GBps']:.1f} GB/s). Ratio **{r['ratio']:.2f}** of roofline (target "
+                f"{r['target_ratio']}: {'met' if r['meets_target'] else 'NOT met'}). By layout, "
+                "one step (ratio) and one 5-token pass: " + ", ".join(
+                    f"{k} {v['step_s'] * 1e3:.2f} ms ({v['ratio']:.2f}) and "
+                    f"{v['pass_5_tokens_s'] * 1e3:.2f} ms" for k, v in r["layouts"].items())
+                + "."]
     else:
       lines += md_table(s["rows"], ROW_COLS)
     lines += [""] + [f"- {n}" for n in s.get("notes", [])] + [""]
@@ -1032,8 +1016,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--scenarios", default="1,2,3,4,5", help="comma-separated, e.g. 1,3")
   p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's run)")
   p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; quick 3)")
-  p.add_argument("--layout", default=None, choices=("checkpoint", "fused", "fused_out_in"),
-                 help="params layout of our models (models.params_io.LAYOUTS; default fused)")
+  p.add_argument("--layout", default=None, choices=tuple(LAYOUTS),
+                 help="params layout of our models (models.llama.LAYOUTS; default fused)")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="dtype of the scenario 3/5 models (default float32; use bfloat16 on GPU/TPU)")
   p.add_argument("--target-size", default=None, choices=sorted(TARGET_SIZES),

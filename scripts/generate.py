@@ -28,6 +28,8 @@ from spec_jax.drafters.factory import KINDS as DRAFTER_KINDS, TreeOptions
 from spec_jax.drafters.factory import make_drafter as build_drafter
 from spec_jax.tree_speculative import tree_speculative_generate
 
+from models.llama import LAYOUTS
+
 DRAFT_KINDS = DRAFTER_KINDS + ("none",)
 
 
@@ -61,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "each) and whether the outputs are identical")
   p.add_argument("--stream", action="store_true", help="print text as it is produced")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-  p.add_argument("--layout", default="fused", choices=("checkpoint", "fused", "fused_out_in"),
-                 help="params layout to decode in (models.params_io.LAYOUTS): fused QKV and "
+  p.add_argument("--layout", default="fused", choices=tuple(LAYOUTS),
+                 help="params layout to decode in (models.llama.LAYOUTS): fused QKV and "
                       "gate/up matmuls by default; fused_out_in also stores kernels [out, in], "
                       "faster for one-token steps of large models on CPU, slower to verify")
   return p.parse_args(argv)
