@@ -552,6 +552,61 @@ def step_loop(model, params, *, tokens: int, cache_len: int, position: int,
   return thunk, info
 
 
+def weight_matmuls(model, params) -> list[tuple[jax.Array, int]]:
+  """Every weight matrix one decoding step multiplies a token by, with its contracting axis:
+  the 2-D kernels (`kernel` [in, out] -> 0, `kernel_OI` [out, in] -> 1) and the head (the
+  embedding table [V, D] when tied; an untied table is only gathered from)."""
+  matmuls = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = jax.tree_util.keystr(path)
+    if getattr(leaf, "ndim", 0) != 2:
+      continue
+    if name.startswith("['embed']"):
+      if model.config.tie_embeddings:
+        matmuls.append((leaf, 1))
+      continue
+    matmuls.append((leaf, 1 if "kernel_OI" in name else 0))
+  return matmuls
+
+
+@functools.partial(jax.jit, static_argnames=("axes", "steps"))
+def _matmul_chain(weights, x_N, axes: tuple[int, ...], steps: int):
+  """`steps` rounds of one-row products with each weight in turn, each fed the one before."""
+  def body(_, x_N):
+    for w, k in zip(weights, axes):
+      y_1O = jax.lax.dot_general(x_N[None, :w.shape[k]], w, (((1,), (k,)), ((), ())))
+      x_N = x_N.at[:y_1O.shape[1]].add(1e-3 * y_1O[0])
+    return x_N
+  return jax.lax.fori_loop(0, steps, body, x_N)
+
+
+def matmul_chain_loop(model, params, steps: int) -> Callable[[], Any]:
+  """A warmed-up thunk running only the step's weight matmuls (one token, same shapes, same
+  order of magnitude of launches) `steps` times: the fastest a step built from these separate
+  XLA matmuls can be on this backend, whatever it does between them. Per step: time / steps."""
+  matmuls = weight_matmuls(model, params)
+  weights, axes = [w for w, _ in matmuls], tuple(k for _, k in matmuls)
+  x_N = jnp.zeros((max(max(w.shape) for w in weights),), weights[0].dtype)
+  compiled = _matmul_chain.lower(weights, x_N, axes=axes, steps=steps).compile()
+  thunk = lambda: compiled(weights, x_N)  # noqa: E731
+  _timed(thunk)
+  return thunk
+
+
+@jax.jit
+def _matvec(x_N, w_NM):
+  return x_N @ w_NM
+
+
+def matvec_over(nbytes: int, dtype) -> tuple[Callable[[], Any], list[int]]:
+  """A thunk multiplying a vector by one [1024, M] matrix of `nbytes` (and that shape)."""
+  n = 1024
+  m = max(1, nbytes // jnp.dtype(dtype).itemsize // n)
+  w_NM = jnp.ones((n, m), dtype) * 1e-3
+  x_N = jnp.ones((n,), dtype)
+  return (lambda: _matvec(x_N, w_NM)), [n, m]
+
+
 def interleaved_medians(thunks: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
   """Median seconds of each (warmed-up) thunk, timed in interleaved rounds."""
   times = {name: [] for name in thunks}
@@ -670,6 +725,23 @@ def to_hf(model, params, folder: str):
   return hf
 
 
+def step_bound(model, params, plan: Plan, *, cache_len: int, position: int) -> dict:
+  """Our one-token step next to its weight matmuls alone and one matvec over the same bytes,
+  timed interleaved (seconds per step): how close a step is to what this backend allows."""
+  matmuls = weight_matmuls(model, params)
+  streamed = sum(w.nbytes for w, _ in matmuls)
+  matvec, _ = matvec_over(streamed, matmuls[0][0].dtype)
+  step, _ = step_loop(model, params, tokens=1, cache_len=cache_len, position=position,
+                      steps=plan.loop_steps)
+  thunks = {"step_s": step, "matmul_chain_s": matmul_chain_loop(model, params, plan.loop_steps),
+            "matvec_s": matvec}
+  _timed(matvec)
+  t = interleaved_medians(thunks, plan.repeats)
+  per_step = {"step_s": plan.loop_steps, "matmul_chain_s": plan.loop_steps, "matvec_s": 1}
+  return {"matmuls": len(matmuls), "streamed_bytes": streamed,
+          **{k: v / per_step[k] for k, v in t.items()}}
+
+
 def s4_model(name: str, plan: Plan, tmp: str) -> dict:
   from spec_jax.drafters.draft_model import DraftModelDrafter
   from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
@@ -707,6 +779,11 @@ def s4_model(name: str, plan: Plan, tmp: str) -> dict:
   ]
   records, outs, group = run_group(cases, [measured], [check], plan, f"S4 {name}")
   by = {r["label"]: (r, o) for r, o in zip(records, outs)}
+  bound = step_bound(target, params, plan, cache_len=cache_len, position=width + new // 2)
+  hf_plain = by["hf: plain"][0]
+  if "error" not in hf_plain:
+    bound["hf_plain_s_per_token"] = 1.0 / hf_plain["tokens_per_s"]
+    bound["hf_over_matmul_chain"] = bound["hf_plain_s_per_token"] / bound["matmul_chain_s"]
   for engine, base in (("hf", "hf: plain"), ("ours", "ours: autoregressive")):
     part = [(r, o) for r, o in zip(records, outs) if r.get("engine") == engine]
     finish_rows([r for r, _ in part], [o for _, o in part], base)
@@ -727,6 +804,7 @@ def s4_model(name: str, plan: Plan, tmp: str) -> dict:
           "draft_params": param_count(draft_params), "gamma": g, "max_new_tokens": new,
           "ours_over_hf": ratios, "identical_to_hf": identical,
           "min_ratio": min((v for v in ratios.values() if v is not None), default=None),
+          "bound": bound,
           "rows": records, "group": group}
 
 
@@ -756,11 +834,6 @@ def scenario_4(plan: Plan, ctx: dict) -> dict:
 # ---- scenario 5: roofline ----------------------------------------------------------------------
 
 @jax.jit
-def _matvec(x_N, w_NM):
-  return x_N @ w_NM
-
-
-@jax.jit
 def _tree_sum(params):
   return sum(jnp.sum(x) for x in jax.tree.leaves(params))
 
@@ -768,13 +841,10 @@ def _tree_sum(params):
 def scenario_5(plan: Plan, ctx: dict) -> dict:
   (target, params), _ = memory_bound_pair(plan, ctx)
   nbytes = param_bytes(params)
-  n = 1024
-  itemsize = jnp.dtype(plan.s3_dtype).itemsize
-  m = max(1, nbytes // itemsize // n)
-  w_NM = jnp.ones((n, m), plan.s3_dtype) * 1e-3
-  x_N = jnp.ones((n,), plan.s3_dtype)
+  matvec, matvec_shape = matvec_over(nbytes, plan.s3_dtype)
   step_thunk, step_info = target_step_loop(plan, ctx)
-  thunks = {"matvec": lambda: _matvec(x_N, w_NM), "tree_sum": lambda: _tree_sum(params),
+  thunks = {"matvec": matvec, "tree_sum": lambda: _tree_sum(params),
+            "matmul_chain": matmul_chain_loop(target, params, plan.loop_steps),
             f"step {plan.layout}": step_thunk}
   _, cache_len, position = s3_geometry(plan)
   loop = dict(cache_len=cache_len, position=position, steps=plan.loop_steps)
@@ -789,8 +859,9 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
   for thunk in thunks.values():
     _timed(thunk)  # compile, warm up
   t = interleaved_medians(thunks, plan.repeats)
-  del thunks, w_NM
+  del thunks, matvec
   roofline_s = min(t["matvec"], t["tree_sum"])
+  chain_s = t["matmul_chain"] / plan.loop_steps
   layouts = {layout: {"step_s": t[f"step {layout}"] / step_info["steps"],
                       f"pass_{pass_tokens}_tokens_s": t[f"pass {layout}"] / step_info["steps"]}
              for layout in LAYOUTS}
@@ -805,12 +876,17 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
            "layer, kernels [in, out]; fused = 4 (QKV, gate/up fused); fused_out_in = 4, "
            f"kernels [out, in]. The headline is the fastest ({best}); pass_{pass_tokens}_tokens_s: "
            f"one {pass_tokens}-token pass (a gamma-{pass_tokens - 1} verification) per layout"]
+  notes.append(f"matmul chain = only the step's {len(weight_matmuls(target, params))} weight "
+               "matmuls, one row each, each fed the one before: what XLA's separate matmuls "
+               "cost before anything else a step does")
   if nbytes < 64 << 20:
     notes.append(f"the target is only {nbytes / 2**20:.0f} MiB: it may sit in the CPU caches, "
                  "so this roofline is not DRAM-bound (quick mode)")
   return {"name": NAMES["5"],
           "status": "ok", "rows": [], "param_bytes": nbytes, "params": param_count(params),
-          "roofline": {"matvec_shape": [n, m], "matvec_s": t["matvec"],
+          "roofline": {"matvec_shape": matvec_shape, "matvec_s": t["matvec"],
+                       "matmul_chain_s": chain_s, "matmul_chain_layout": plan.layout,
+                       "step_over_chain": layouts[plan.layout]["step_s"] / chain_s,
                        "tree_sum_s": t["tree_sum"], "roofline_s": roofline_s,
                        "bandwidth_GBps": nbytes / roofline_s / 1e9, "step_s": step_s,
                        "step_layout": best, "layouts": layouts,
@@ -909,8 +985,16 @@ def markdown(results: dict) -> str:
       lines += md_table(s["rows"], S3_COLS)
     elif key == "4":
       for mod in s["models"]:
+        b = mod["bound"]
         lines.append(f"- {mod['model']}: ours/HF tokens/s {_ratios(mod['ours_over_hf'])}; "
-                     f"identical to HF {mod['identical_to_hf']}")
+                     f"identical to HF {mod['identical_to_hf']}. Per token: HF plain "
+                     f"{b['hf_plain_s_per_token'] * 1e3:.2f} ms, our step "
+                     f"{b['step_s'] * 1e3:.2f} ms, its weight matmuls alone "
+                     f"{b['matmul_chain_s'] * 1e3:.2f} ms ({b['matmuls']} of them), one matvec "
+                     f"over the same {b['streamed_bytes'] / 2**20:.0f} MiB "
+                     f"{b['matvec_s'] * 1e3:.2f} ms: HF / matmuls alone = "
+                     f"**{b['hf_over_matmul_chain']:.2f}x**, the most plain decoding built "
+                     "from these XLA matmuls could reach")
       lines += [""] + md_table(s["rows"], S4_COLS)
     elif key == "5":
       r = s["roofline"]
@@ -923,7 +1007,9 @@ def markdown(results: dict) -> str:
                 "one step (ratio) and one 5-token pass: " + ", ".join(
                     f"{k} {v['step_s'] * 1e3:.2f} ms ({v['ratio']:.2f}) and "
                     f"{v['pass_5_tokens_s'] * 1e3:.2f} ms" for k, v in r["layouts"].items())
-                + "."]
+                + f". The step's weight matmuls alone ({r['matmul_chain_layout']}): "
+                f"{r['matmul_chain_s'] * 1e3:.2f} ms; the whole step takes "
+                f"{r['step_over_chain']:.2f}x that."]
     else:
       lines += md_table(s["rows"], ROW_COLS)
     lines += [""] + [f"- {n}" for n in s.get("notes", [])] + [""]

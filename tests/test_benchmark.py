@@ -105,10 +105,17 @@ def test_quick_benchmark_scenario_contents(quick_run):
   for layout in roofline["layouts"].values():
     assert layout["step_s"] > 0 and layout["pass_5_tokens_s"] > 0 and layout["ratio"] > 0
   assert roofline["step_s"] == min(v["step_s"] for v in roofline["layouts"].values())
+  # the step's weight matmuls alone: a step also runs attention, norms and the cache update
+  assert 0 < roofline["matmul_chain_s"] and roofline["step_over_chain"] > 0
   if s["4"]["status"] == "ok":
     for model in s["4"]["models"]:
       assert set(model["ours_over_hf"]) == {"plain", "draft_model", "prompt_lookup"}
       assert all(v is True for v in model["identical_to_hf"].values()), model["identical_to_hf"]
+      bound = model["bound"]
+      assert bound["matmuls"] == 5 * 4 + 1  # stories-shaped, fused: 4 per layer and the head
+      for field in ("step_s", "matmul_chain_s", "matvec_s", "hf_plain_s_per_token",
+                    "hf_over_matmul_chain"):
+        assert bound[field] > 0, field
 
 
 def test_coin_verifier_keeps_a_truncated_geometric_prefix():
@@ -132,3 +139,25 @@ def test_predicted_speedup_formula():
   assert predicted_speedup(0.5, 2, 1.0, 0.0, 1.0) == pytest.approx(1.75)
   with pytest.raises(ValueError):
     CoinVerifier(1.5)
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "fused", "fused_out_in"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_matmuls_are_the_steps_products(layout, tied):
+  """The roofline's matmul chain multiplies exactly what a step does: every projection (in
+  its layout's orientation) and the head, not the gathered-from embedding table."""
+  sys.path.insert(0, str(REPO / "scripts"))
+  import benchmark
+  from models.llama import LAYOUTS
+  vocab, dim, hidden, layers = 100, 32, 48, 2
+  model, params = benchmark.random_model(0, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4,
+                                         n_kv_heads=2, hidden_dim=hidden, tie_embeddings=tied,
+                                         **LAYOUTS[layout])
+  matmuls = benchmark.weight_matmuls(model, params)
+  per_layer = 7 if layout == "checkpoint" else 4
+  assert len(matmuls) == layers * per_layer + 1
+  assert all(w.shape[k] in (dim, hidden) for w, k in matmuls)  # contracts a token's features
+  assert sum(w.shape[1 - k] == vocab for w, k in matmuls) == 1  # one head, over the vocabulary
+  embed_bytes = 0 if tied else vocab * dim * 4  # an untied table is only gathered from
+  want = sum(x.nbytes for x in jax.tree.leaves(params) if x.ndim == 2) - embed_bytes
+  assert sum(w.nbytes for w, _ in matmuls) == want
