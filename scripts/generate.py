@@ -31,6 +31,7 @@ from spec_jax.tree_speculative import tree_speculative_generate
 from models.llama import LAYOUTS
 
 DRAFT_KINDS = DRAFTER_KINDS + ("none",)
+COMPARE_REPEATS = 7  # --compare: medians of this many interleaved runs of each
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,8 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-eos", action="store_true", help="ignore the end-of-sequence token")
   p.add_argument("--compare", action="store_true",
-                 help="also run autoregressive decoding; print the speed-up (medians of 5 runs "
-                      "each) and whether the outputs are identical")
+                 help="also run autoregressive decoding; print the speed-up (medians of "
+                      f"{COMPARE_REPEATS} interleaved runs each) and whether the outputs are "
+                      "identical")
   p.add_argument("--stream", action="store_true", help="print text as it is produced")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   p.add_argument("--layout", default="fused", choices=tuple(LAYOUTS),
@@ -124,15 +126,17 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
   return kind, drafter, dparams
 
 
-def timed(fn, repeats: int = 1):
-  """-> (output, median seconds over `repeats` calls)."""
-  times = []
+def timed(runs: dict, repeats: int) -> dict:
+  """{name: (output, median seconds)} of each run over `repeats` calls, the runs interleaved
+  so that a shared machine's drift hits them alike."""
+  outs, times = {}, {name: [] for name in runs}
   for _ in range(repeats):
-    start = time.perf_counter()
-    out = fn()
-    jax.block_until_ready(out.tokens)
-    times.append(time.perf_counter() - start)
-  return out, float(np.median(times))
+    for name, run in runs.items():
+      start = time.perf_counter()
+      outs[name] = run()
+      jax.block_until_ready(outs[name].tokens)
+      times[name].append(time.perf_counter() - start)
+  return {name: (outs[name], float(np.median(times[name]))) for name in runs}
 
 
 def main(argv=None) -> int:
@@ -169,9 +173,12 @@ def main(argv=None) -> int:
     for piece in stream_text(chunks, tokenizer, prompts):
       print(piece, end="", flush=True)
     print()
-  repeats = 5 if args.compare else 1
-  out, first_s = timed(main_run)  # compiles
-  out, run_s = timed(main_run, repeats)
+  runs = {"main": main_run}
+  if args.compare and drafter is not None:
+    runs["autoregressive"] = run_ar
+  first = timed(runs, 1)  # compiles
+  timings = timed(runs, COMPARE_REPEATS if args.compare else 1)
+  (out, run_s), first_s = timings["main"], first["main"][1]
   n_tokens = int(np.asarray(out.num_tokens).sum())
   texts = [tokenizer.decode(list(p) + np.asarray(out.tokens[r, :int(out.num_tokens[r])]).tolist())
            for r, p in enumerate(prompts)]
@@ -183,9 +190,8 @@ def main(argv=None) -> int:
     m = summarize(out.metrics)
     report.update({k: m[k] for k in ("mean_accepted", "mean_accepted_with_bonus",
                                       "acceptance_rate", "rounds", "target_calls")})
-  if args.compare and drafter is not None:
-    run_ar()
-    ar, ar_s = timed(run_ar, repeats)
+  if "autoregressive" in timings:
+    ar, ar_s = timings["autoregressive"]
     report["autoregressive_tokens_per_s"] = int(np.asarray(ar.num_tokens).sum()) / ar_s
     report["speedup"] = ar_s / run_s
     report["identical_to_autoregressive"] = bool(
