@@ -29,7 +29,7 @@ import safetensors
 import safetensors.numpy
 
 from models.llama import LlamaConfig, LlamaModel
-from models.params_io import CheckpointError, params_from_flat, params_to_flat
+from models.params_io import CheckpointError, params_from_flat, params_to_flat, to_layout
 from models.tokenizer import HFTokenizer, TokenizerError, check_vocab_compatible
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -84,7 +84,9 @@ def stored_params(model: LlamaModel, params):
 
 
 def save_model(folder: str | Path, name: str, model: LlamaModel, params) -> None:
-  """Writes `name.safetensors` (int8 matrices, see the module doc) and `name.json` (the config)."""
+  """Writes `name.safetensors` (int8 matrices, see the module doc) and `name.json` (the config),
+  in the checkpoint layout whatever layout `params` are in."""
+  model, params = to_layout(model, params, "checkpoint")
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
   tensors = {}

@@ -19,7 +19,8 @@ import safetensors
 import safetensors.numpy
 
 from models.llama import LlamaConfig, LlamaModel
-from models.params_io import CheckpointError, flat_names, params_from_flat, params_to_flat
+from models.params_io import (CheckpointError, flat_names, params_from_flat, params_to_flat,
+                              to_layout)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -275,6 +276,7 @@ def save_hf(folder: str, model: LlamaModel, params, *,
   Llama with QKV bias gets zero o_proj biases (HF's attention_bias has one); Qwen2 without
   QKV bias gets zero q/k/v biases (Qwen2 always has them).
   """
+  model, params = to_layout(model, params, "checkpoint")  # HF's separate [out, in] weights
   cfg = model.config
   hf = config_to_hf(cfg, architecture)
   flat = params_to_flat(params)

@@ -79,25 +79,24 @@ _FUSED_PARTS = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"),
 
 
 def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.State]:
-  """The same function with its params in another layout (models.llama.LAYOUTS).
+  """The same function with its params in another layout (models.llama.LAYOUTS), from any.
 
-  From the checkpoint layout only: readers, writers, HF conversion and tensor-parallel
-  sharding use it; convert after loading, for decoding. Fused outputs are concatenated
-  ([q | k | v], [gate | up]), so logits agree with the checkpoint layout up to float
-  rounding. Plain arrays only: convert, then quantize (spec_jax.quantize knows `kernel_OI`).
+  Readers, writers, HF conversion and tensor-parallel sharding use the checkpoint layout;
+  convert after loading, for decoding (the writers convert back themselves). Fused outputs
+  are concatenated ([q | k | v], [gate | up]), so logits agree with the checkpoint layout up
+  to float rounding; the conversion itself only moves values, so a round trip is exact.
+  Plain arrays only: convert, then quantize (spec_jax.quantize knows `kernel_OI`).
   """
   if layout not in LAYOUTS:
     raise ValueError(f"unknown layout {layout!r}; choose from {sorted(LAYOUTS)}")
-  cfg = model.config
-  current = cfg.layout
-  if current == LAYOUTS[layout]:
+  if model.config.layout == LAYOUTS[layout]:
     return model, params
-  if current != LAYOUTS["checkpoint"]:
-    raise ValueError(f"to_layout: the model is not in the checkpoint layout ({current})")
   flat = {path_to_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
-  if any(name.endswith((".values_IO", ".scale_O")) for name in flat):
+  if any(name.endswith((".values_IO", ".scale_O", ".values_OI")) for name in flat):
     raise ValueError("to_layout: params are int8-quantized; convert, then quantize")
-  new_model = dataclasses.replace(model, config=dataclasses.replace(cfg, **LAYOUTS[layout]))
+  checkpoint_model, flat = _to_checkpoint(model, flat)
+  new_model = dataclasses.replace(
+      model, config=dataclasses.replace(model.config, **LAYOUTS[layout]))
   out = {}
   for name in flat_names(new_model):
     base, _, leaf = name.rpartition(".")  # "layers.3.attn.wqkv", "kernel_OI"
@@ -108,3 +107,38 @@ def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.S
     w = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
     out[name] = w.T if leaf == "kernel_OI" else w
   return new_model, params_from_flat(new_model, out, source=f"to_layout({layout!r})")
+
+
+def _fused_home(base: str) -> tuple[str, tuple[str, ...], int] | None:
+  """'layers.3.attn.wk' -> ('layers.3.attn.wqkv', its parts, 1); None if never fused."""
+  for fused, parts in _FUSED_PARTS.items():
+    for i, part in enumerate(parts):
+      if base.endswith("." + part):
+        return base[:-len(part)] + fused, parts, i
+  return None
+
+
+def _to_checkpoint(model: LlamaModel, flat: dict) -> tuple[LlamaModel, dict]:
+  """(checkpoint-layout model, its flat params) from flat params in the model's layout:
+  `kernel_OI` transposed back, fused kernels and biases split at their parts' widths."""
+  checkpoint = dataclasses.replace(
+      model, config=dataclasses.replace(model.config, **LAYOUTS["checkpoint"]))
+  if model.config.layout == LAYOUTS["checkpoint"]:
+    return checkpoint, flat
+  shapes = {name: a.shape for name, a in flat_names(checkpoint).items()}
+  out = {}
+  for name in shapes:
+    base, _, leaf = name.rpartition(".")  # "layers.3.attn.wk", "kernel"
+    home = _fused_home(base) if model.config.fused_projections else None
+    source = home[0] if home else base
+    if leaf == "kernel" and f"{source}.kernel_OI" in flat:
+      w = flat[f"{source}.kernel_OI"].T
+    else:
+      w = flat[f"{source}.{leaf}" if source else leaf]
+    if home:  # this part's columns of the fused output
+      _, parts, i = home
+      prefix = base[:-len(parts[i])]
+      widths = [shapes[f"{prefix}{part}.{leaf}"][-1] for part in parts]
+      w = w[..., sum(widths[:i]):sum(widths[:i + 1])]
+    out[name] = w
+  return checkpoint, out

@@ -1,9 +1,9 @@
 """Params layouts (models.params_io.LAYOUTS): the same function, fused and/or [out, in].
 
-Each layout is a conversion of the checkpoint layout; these tests pin that it computes the
-same logits, that every consumer of a target's params (drafters sharing them, int8
-quantization, the drafter heads' shared head, the sharding table) reads each layout right,
-and that bad conversions raise.
+Each layout is a conversion of the checkpoint layout (and back, exactly); these tests pin
+that it computes the same logits, that every consumer of a target's params (drafters
+sharing them, int8 quantization, the drafter heads' shared head, the sharding table, the
+checkpoint writers) reads each layout right, and that bad conversions raise.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_llama
-from models.params_io import LAYOUTS, flat_names, to_layout
+from models.params_io import LAYOUTS, flat_names, params_to_flat, to_layout
 from spec_jax.drafters import make_drafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.quantize import QuantizedArray, QuantizedArrayOI, dense, quantize_params
@@ -113,10 +113,53 @@ def test_bad_conversions_raise():
     to_layout(model, params, "transposed")
   fused, fused_params = to_layout(model, params, "fused")
   assert to_layout(fused, fused_params, "fused")[0] is fused  # already there: unchanged
-  with pytest.raises(ValueError, match="not in the checkpoint layout"):
-    to_layout(fused, fused_params, "fused_out_in")
   with pytest.raises(ValueError, match="quantized"):
     to_layout(model, quantize_params(params), "fused")
+  with pytest.raises(ValueError, match="quantized"):
+    to_layout(fused, quantize_params(fused_params), "checkpoint")
+
+
+@pytest.mark.parametrize("bias_untied", [False, True])
+def test_conversions_between_any_two_layouts_are_exact(bias_untied):
+  """Layout A -> layout B equals checkpoint -> B bit for bit, and back to the checkpoint
+  layout returns the original params: fused kernels (and QKV biases) split where they were
+  joined, [out, in] kernels transposed back."""
+  kw = dict(qkv_bias=True, tie_embeddings=False) if bias_untied else {}
+  model, params = tiny_llama(**kw)
+  original = params_to_flat(params)
+  for a in LAYOUT_NAMES:
+    model_a, params_a = to_layout(model, params, a)
+    for b in LAYOUT_NAMES:
+      model_b, params_b = to_layout(model_a, params_a, b)
+      assert model_b.config.layout == LAYOUTS[b]
+      direct = params_to_flat(to_layout(model, params, b)[1])
+      got = params_to_flat(params_b)
+      assert got.keys() == direct.keys() and all(np.array_equal(got[k], direct[k]) for k in got)
+      back = params_to_flat(to_layout(model_b, params_b, "checkpoint")[1])
+      assert back.keys() == original.keys()
+      assert all(np.array_equal(back[k], original[k]) for k in original), (a, b)
+
+
+@pytest.mark.parametrize("layout", ["fused", "fused_out_in"])
+def test_writers_save_any_layout_as_the_checkpoint_layout(tmp_path, layout):
+  """save_model and save_hf write the checkpoint layout whatever layout the params are in:
+  the files are the ones the checkpoint-layout params write."""
+  from models.builtin import load_model, save_model
+  from models.hf import load_hf, save_hf
+  model, params = tiny_llama(qkv_bias=True)
+  decoding = to_layout(model, params, layout)
+  for name, (m, p) in {"checkpoint": (model, params), layout: decoding}.items():
+    save_model(tmp_path / name, "target", m, p)
+    save_hf(str(tmp_path / f"{name}-hf"), m, p, architecture="Qwen2ForCausalLM")
+  for suffix in ("", "-hf"):
+    for file in sorted((tmp_path / f"checkpoint{suffix}").iterdir()):
+      assert (tmp_path / f"{layout}{suffix}" / file.name).read_bytes() == file.read_bytes(), file
+  loaded, loaded_params = load_model(tmp_path / layout, "target")
+  assert loaded.config.layout == LAYOUTS["checkpoint"]
+  hf_model, hf_params = load_hf(str(tmp_path / f"{layout}-hf"))
+  want = params_to_flat(params)
+  got = params_to_flat(hf_params)
+  assert all(np.array_equal(got[k], want[k]) for k in want)  # float32 both ways: exact
 
 
 def test_drafter_heads_read_an_out_in_target():
