@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import perturbed
-from spec_jax.drafters import (DraftModelDrafter, FallbackDrafter, LayerSkipDrafter,
+from spec_jax.drafters import (DraftModelDrafter, Drafter, FallbackDrafter, LayerSkipDrafter,
                                PromptLookupDrafter, ResyncDraftModelDrafter, make_drafter,
                                ngram_lookup, quantized_target_drafter)
 from spec_jax.drafters.layer_skip import truncated_model
@@ -155,6 +155,54 @@ def test_prompt_lookup_accepts_more_on_a_repetitive_prompt(stories, reference_to
   # fixed before running: 'clearly higher' as at least a fifth of all drafts accepted, and
   # three times the rate of the fresh prompt
   assert rate_B[0] >= 0.2 and rate_B[0] >= 3 * rate_B[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeToCatchUp(ResyncDraftModelDrafter):
+  """Catches up the default way: a full proposal, its drafts dropped."""
+
+  def catch_up(self, params, state, ctx, gamma, sampling, key):
+    return Drafter.catch_up(self, params, state, ctx, gamma, sampling, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class NeverCatchesUp(ResyncDraftModelDrafter):
+  """Wrong on purpose: the rounds it sits out never reach its cache."""
+
+  def catch_up(self, params, state, ctx, gamma, sampling, key):
+    return state
+
+
+def test_rounds_where_every_row_copies_only_catch_the_draft_model_up(stories, reference_tokens):
+  """Lookup matches in most rounds on a passage given twice (batch 1): there the draft model
+  only re-feeds its window, without its drafting steps. Same tokens, same acceptance per
+  round, and the same draft cache as a full proposal every round; a drafter that skipped
+  those rounds' tokens would be caught by the cache check."""
+  model, params = stories
+  passage = reference_tokens[131:160]
+  prompts = pad_prompts([[1] + passage + passage])
+  reference = generate(model, params, *prompts, max_new_tokens=NEW)
+  fast, draft_params = make_drafter("lookup+layer_skip", model, params, num_layers=LAYERS)
+  gamma, draft_model = 4, fast.secondary.model
+  caches, metrics = {}, {}
+  for name, secondary in (("fast", fast.secondary), ("full", ProposeToCatchUp(draft_model)),
+                          ("never", NeverCatchesUp(draft_model))):
+    drafter = dataclasses.replace(fast, secondary=secondary)
+    out, _, state = speculative_generate(model, params, drafter, draft_params, *prompts,
+                                         gamma=gamma, max_new_tokens=NEW, return_state=True)
+    assert np.array_equal(out.tokens, reference.tokens), name  # lossless whatever the draft
+    caches[name], metrics[name] = state.secondary.cache, jax.tree.map(np.asarray, out.metrics)
+  assert jax.tree.all(jax.tree.map(np.array_equal, metrics["fast"], metrics["full"]))
+  assert summarize(out.metrics)["mean_accepted"] > 1  # lookup copies the passage
+  seq = np.asarray(out.sequences)  # the same in every run
+  seq_len = int(np.asarray(prompts[1])[0] + np.asarray(out.num_tokens)[0])
+  positions = np.broadcast_to(np.arange(seq.shape[1], dtype=np.int32), seq.shape)
+  _, _, fresh = draft_model.apply(params, seq, positions, draft_model.init_cache(*seq.shape))
+  kept = int(np.asarray(caches["fast"].length_B)[0])
+  assert seq_len - 1 - gamma <= kept <= seq_len
+  assert_cache_prefix_close(caches["fast"], fresh, 0, kept, "catch-up cache")
+  with pytest.raises(AssertionError):  # the catch-up rounds happened, and they matter
+    assert_cache_prefix_close(caches["never"], fresh, 0, kept, "no catch-up")
 
 
 # --- int8 target: logit error ---------------------------------------------------------------

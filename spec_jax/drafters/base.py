@@ -83,6 +83,13 @@ class Drafter:
   def commit(self, params, state, outcome: RoundOutcome) -> Any:
     return state
 
+  def catch_up(self, params, state, ctx: DraftContext, gamma: int, sampling: SamplingConfig,
+               key: jax.Array) -> Any:
+    """The state `propose` would return, for a round in which no row uses this drafter's
+    drafts (a combination verifies another drafter's on every row). By default: propose and
+    drop the drafts; a drafter with a cheaper way to keep its state right overrides this."""
+    return self.propose(params, state, ctx, gamma, sampling, key)[2]
+
   def empty_rows(self, state) -> jax.Array | None:
     """[B] bool, from the state `propose` returned: rows whose drafts are placeholders (the
     drafter found nothing to propose). None: every row always drafts.

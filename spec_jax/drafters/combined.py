@@ -1,7 +1,9 @@
 """Two drafters in one: per row, the primary's proposal where it vouches for it, else the other's.
 
 Both drafters propose every round (fixed shapes), each row takes one of the two proposals,
-and both commit the same, true outcome. Typical: prompt lookup first, a draft model where
+and both commit the same, true outcome. In a round where every row takes the primary's, the
+secondary only catches up (`Drafter.catch_up`: for a draft model, its window pass without
+the drafting steps). Typical: prompt lookup first, a draft model where
 lookup finds no match, so repetitive rows copy and the others draft.
 
 Lossless when sampling: the verifier must see the q each row's tokens were drawn from. A
@@ -42,13 +44,25 @@ class ResyncDraftModelDrafter(DraftModelDrafter):
   gamma + 1 tokens instead of 2 in the first draft step.
   """
 
+  def _resync(self, params, state: DraftModelState, ctx: DraftContext, gamma: int):
+    """Feeds slots L - gamma .. L -> (their logits [B, gamma + 1, V], the cache)."""
+    # clamped at 0 early on: repeated (token 0, position 0) entries write the same values
+    window_BW = jnp.maximum(
+        ctx.position_B[:, None] + jnp.arange(-gamma, 1, dtype=jnp.int32)[None, :], 0)
+    tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
+    logits_BWV, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
+    return logits_BWV, cache
+
+  def catch_up(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array) -> DraftModelState:
+    # the window pass alone: commit keeps nothing past slot L, so the drafting steps
+    # (gamma - 1 sequential draft-model calls) would be thrown away
+    return DraftModelState(self._resync(params, state, ctx, gamma)[1])
+
   def propose(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     pos_B = ctx.position_B
-    # clamped at 0 early on: repeated (token 0, position 0) entries write the same values
-    window_BW = jnp.maximum(pos_B[:, None] + jnp.arange(-gamma, 1, dtype=jnp.int32)[None, :], 0)
-    tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
-    logits_BWV, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
+    logits_BWV, cache = self._resync(params, state, ctx, gamma)
     keys = jax.random.split(key, gamma)
     probs = lambda logits_BV: None if sampling.is_greedy else warped_probs(logits_BV, sampling)
     first_B = sample(keys[0], logits_BWV[:, -1], sampling)
@@ -119,9 +133,19 @@ class FallbackDrafter(Drafter):
     key_1, key_2 = jax.random.split(key)
     tokens_1, probs_1, state_1 = self.primary.propose(params[0], state.primary, ctx, gamma,
                                                       sampling, key_1)
-    tokens_2, probs_2, state_2 = self.secondary.propose(params[1], state.secondary, ctx, gamma,
-                                                        sampling, key_2)
     use_B = self.use_primary(state_1)
+
+    def secondary_drafts(secondary_state):
+      return self.secondary.propose(params[1], secondary_state, ctx, gamma, sampling, key_2)
+
+    def primary_everywhere(secondary_state):  # the secondary's drafts would go unused
+      tokens, probs, _ = jax.eval_shape(secondary_drafts, secondary_state)
+      unused = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (tokens, probs))
+      return (*unused, self.secondary.catch_up(params[1], secondary_state, ctx, gamma,
+                                               sampling, key_2))
+
+    tokens_2, probs_2, state_2 = jax.lax.cond(jnp.all(use_B), primary_everywhere,
+                                              secondary_drafts, state.secondary)
     tokens_BG = jnp.where(use_B[:, None], tokens_1, tokens_2)
     probs_BGV = None
     if probs_1 is not None or probs_2 is not None:
