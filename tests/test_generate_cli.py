@@ -54,7 +54,7 @@ def test_main_job_on_the_builtin_pair():
   proc = run_cli("def fibonacci(n):", "--compare", "--json", "--max-new-tokens", "48")
   assert proc.returncode == 0, proc.stderr
   report = json.loads(proc.stdout)
-  assert report["drafter"] == "draft_model"
+  assert report["drafter"] == "lookup+draft_model"  # the pair's draft behind prompt lookup
   assert report["identical_to_autoregressive"] is True
   assert report["texts"][0].startswith("def fibonacci(n):")
   assert report["mean_accepted"] > 0.5  # the distilled draft does agree with its target
