@@ -15,6 +15,15 @@ REFERENCE_DIR = SHARED / "reference"
 REFERENCE_STEM = "stories260K_greedy_once_upon_a_time_n200"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops jax's compiled programs after each test module. Each XLA:CPU executable keeps its
+  own memory mappings, and the whole suite in one process passes the kernel's
+  vm.max_map_count (65530 by default): a later compile then aborts or segfaults."""
+  yield
+  jax.clear_caches()
+
+
 def require_shared(path: Path) -> Path:
   if not path.exists():
     pytest.skip(f"needs {path} (the ../shared folder beside the repository)")
