@@ -84,6 +84,9 @@ class Plan:
   s3_gammas: tuple[int, ...] = (2, 4, 6)
   s3_new: int = 128
   loop_steps: int = 16
+  # scenario 5's launch sweep: the same bytes (more than a 32 MB L3) as 1..50 chained matmuls
+  sweep_bytes: int = 64 << 20
+  sweep_counts: tuple[int, ...] = (1, 6, 12, 25, 50)
   s4_models: tuple[str, ...] = ("stories260K-shaped", "20M")
   s4_gamma: int = 4
   s4_new: int = 128
@@ -96,7 +99,8 @@ QUICK = Plan(
     s2_prompts=2, s2_new=16,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
-    s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4,
+    s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4, sweep_bytes=2 << 20,
+    sweep_counts=(1, 4),
     s4_models=("stories260K-shaped",), s4_gamma=3, s4_new=16)
 
 # --target-size presets for scenarios 3 and 5 (a few billion parameters is for accelerators)
@@ -593,6 +597,27 @@ def matmul_chain_loop(model, params, steps: int) -> Callable[[], Any]:
   return thunk
 
 
+def matmul_count_sweep(plan: Plan, dtype) -> dict:
+  """One-row products over the same `plan.sweep_bytes` of weights split into `count` equal
+  [512, M] matrices, chained, for each count, timed interleaved (seconds per round): how
+  much a step pays per matmul on this backend, apart from the bytes it streams."""
+  k, itemsize = 512, jnp.dtype(dtype).itemsize
+  thunks = {}
+  for count in plan.sweep_counts:
+    m = max(1, plan.sweep_bytes // itemsize // k // count)
+    weights = [jnp.full((k, m), 1e-3, dtype) for _ in range(count)]  # separate buffers
+    x_N = jnp.zeros((max(k, m),), dtype)
+    compiled = _matmul_chain.lower(weights, x_N, axes=(0,) * count,
+                                   steps=plan.loop_steps).compile()
+    thunks[count] = functools.partial(compiled, weights, x_N)
+    _timed(thunks[count])
+  t = interleaved_medians(thunks, plan.repeats)
+  counts = list(plan.sweep_counts)
+  per_round = [t[c] / plan.loop_steps for c in counts]
+  return {"bytes": plan.sweep_bytes, "counts": counts, "s_per_round": per_round,
+          "per_matmul_s": float(np.polyfit(counts, per_round, 1)[0])}  # least-squares slope
+
+
 @jax.jit
 def _matvec(x_N, w_NM):
   return x_N @ w_NM
@@ -860,6 +885,7 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
     _timed(thunk)  # compile, warm up
   t = interleaved_medians(thunks, plan.repeats)
   del thunks, matvec
+  sweep = matmul_count_sweep(plan, plan.s3_dtype)
   roofline_s = min(t["matvec"], t["tree_sum"])
   chain_s = t["matmul_chain"] / plan.loop_steps
   layouts = {layout: {"step_s": t[f"step {layout}"] / step_info["steps"],
@@ -887,6 +913,7 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
           "roofline": {"matvec_shape": matvec_shape, "matvec_s": t["matvec"],
                        "matmul_chain_s": chain_s, "matmul_chain_layout": plan.layout,
                        "step_over_chain": layouts[plan.layout]["step_s"] / chain_s,
+                       "matmul_count_sweep": sweep,
                        "tree_sum_s": t["tree_sum"], "roofline_s": roofline_s,
                        "bandwidth_GBps": nbytes / roofline_s / 1e9, "step_s": step_s,
                        "step_layout": best, "layouts": layouts,
@@ -1009,7 +1036,11 @@ def markdown(results: dict) -> str:
                     f"{v['pass_5_tokens_s'] * 1e3:.2f} ms" for k, v in r["layouts"].items())
                 + f". The step's weight matmuls alone ({r['matmul_chain_layout']}): "
                 f"{r['matmul_chain_s'] * 1e3:.2f} ms; the whole step takes "
-                f"{r['step_over_chain']:.2f}x that."]
+                f"{r['step_over_chain']:.2f}x that. The same "
+                f"{r['matmul_count_sweep']['bytes'] / 2**20:.0f} MiB as "
+                + ", ".join(f"{c} matmuls {v * 1e3:.2f} ms" for c, v in zip(
+                    r["matmul_count_sweep"]["counts"], r["matmul_count_sweep"]["s_per_round"]))
+                + f": **{r['matmul_count_sweep']['per_matmul_s'] * 1e6:.0f} us per matmul**."]
     else:
       lines += md_table(s["rows"], ROW_COLS)
     lines += [""] + [f"- {n}" for n in s.get("notes", [])] + [""]

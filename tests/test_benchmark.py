@@ -107,6 +107,9 @@ def test_quick_benchmark_scenario_contents(quick_run):
   assert roofline["step_s"] == min(v["step_s"] for v in roofline["layouts"].values())
   # the step's weight matmuls alone: a step also runs attention, norms and the cache update
   assert 0 < roofline["matmul_chain_s"] and roofline["step_over_chain"] > 0
+  sweep = roofline["matmul_count_sweep"]  # the same bytes as more, smaller matmuls
+  assert sweep["counts"] == [1, 4] and len(sweep["s_per_round"]) == 2
+  assert all(t > 0 for t in sweep["s_per_round"]) and isinstance(sweep["per_matmul_s"], float)
   if s["4"]["status"] == "ok":
     for model in s["4"]["models"]:
       assert set(model["ours_over_hf"]) == {"plain", "draft_model", "prompt_lookup"}
