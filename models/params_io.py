@@ -94,7 +94,7 @@ def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.S
   flat = {path_to_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
   if any(name.endswith((".values_IO", ".scale_O", ".values_OI")) for name in flat):
     raise ValueError("to_layout: params are int8-quantized; convert, then quantize")
-  checkpoint_model, flat = _to_checkpoint(model, flat)
+  flat = _checkpoint_flat(model, flat)
   new_model = dataclasses.replace(
       model, config=dataclasses.replace(model.config, **LAYOUTS[layout]))
   out = {}
@@ -118,13 +118,13 @@ def _fused_home(base: str) -> tuple[str, tuple[str, ...], int] | None:
   return None
 
 
-def _to_checkpoint(model: LlamaModel, flat: dict) -> tuple[LlamaModel, dict]:
-  """(checkpoint-layout model, its flat params) from flat params in the model's layout:
-  `kernel_OI` transposed back, fused kernels and biases split at their parts' widths."""
+def _checkpoint_flat(model: LlamaModel, flat: dict) -> dict:
+  """Flat params in the model's layout -> the same in the checkpoint layout: `kernel_OI`
+  transposed back, fused kernels and biases split at their parts' widths."""
+  if model.config.layout == LAYOUTS["checkpoint"]:
+    return flat
   checkpoint = dataclasses.replace(
       model, config=dataclasses.replace(model.config, **LAYOUTS["checkpoint"]))
-  if model.config.layout == LAYOUTS["checkpoint"]:
-    return checkpoint, flat
   shapes = {name: a.shape for name, a in flat_names(checkpoint).items()}
   out = {}
   for name in shapes:
@@ -141,4 +141,4 @@ def _to_checkpoint(model: LlamaModel, flat: dict) -> tuple[LlamaModel, dict]:
       widths = [shapes[f"{prefix}{part}.{leaf}"][-1] for part in parts]
       w = w[..., sum(widths[:i]):sum(widths[:i + 1])]
     out[name] = w
-  return checkpoint, out
+  return out

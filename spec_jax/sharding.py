@@ -83,8 +83,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r".*norm\.scale", ("embed",)),
 )
 _HEAD_AXES = ("q_heads", "kv_heads")
-# int8 QuantizedArray leaves (spec_jax.quantize): values [in, out], scale [out]
-_QUANT_SUFFIX = {"values_IO": slice(None), "values_OI": slice(None), "scale_O": slice(-1, None)}
+# int8 QuantizedArray(OI) leaves (spec_jax.quantize): values in the kernel's orientation, and
+# one scale per output channel
+_QUANT_VALUES, _QUANT_SCALE = ("values_IO", "values_OI"), "scale_O"
 
 
 # --- mesh ---------------------------------------------------------------------------------
@@ -154,18 +155,16 @@ def _spec(rules: ShardingRules, logical_axes: Sequence[str | None], sizes: Seque
 def param_logical_axes(name: str) -> tuple[str, ...]:
   """Logical axes of the parameter leaf `name` (int8 values/scale leaves included)."""
   base, _, last = name.rpartition(".")
-  pick = _QUANT_SUFFIX.get(last)
-  if pick is None:
+  if last not in (*_QUANT_VALUES, _QUANT_SCALE):
     base = name
   out_in = base.endswith(".kernel_OI")  # LlamaConfig.kernels_out_in: the table's, reversed
   if out_in:
     base = base[:-len("_OI")]
   for pattern, axes in PARAM_AXES:
     if re.fullmatch(pattern, base):
-      axes = axes[::-1] if out_in else axes
-      if pick is not None and last == "scale_O":  # one scale per output channel
-        return axes[:1] if out_in else axes[-1:]
-      return axes[pick] if pick is not None else axes
+      if last == _QUANT_SCALE:  # the table's [in, out] kernel axes: the output one
+        return axes[-1:]
+      return axes[::-1] if out_in else axes
   raise ValueError(f"parameter {name}: no sharding rule matches it; add a pattern to "
                    "spec_jax.sharding.PARAM_AXES")
 
