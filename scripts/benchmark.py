@@ -584,17 +584,22 @@ def _matmul_chain(weights, x_N, axes: tuple[int, ...], steps: int):
   return jax.lax.fori_loop(0, steps, body, x_N)
 
 
+def chain_thunk(weights: list[jax.Array], axes: tuple[int, ...], steps: int
+                ) -> Callable[[], Any]:
+  """A compiled, warmed-up thunk of `_matmul_chain` over these weights. Per round: / steps."""
+  x_N = jnp.zeros((max(max(w.shape) for w in weights),), weights[0].dtype)
+  compiled = _matmul_chain.lower(weights, x_N, axes=axes, steps=steps).compile()
+  thunk = functools.partial(compiled, weights, x_N)
+  _timed(thunk)
+  return thunk
+
+
 def matmul_chain_loop(model, params, steps: int) -> Callable[[], Any]:
   """A warmed-up thunk running only the step's weight matmuls (one token, same shapes, same
   order of magnitude of launches) `steps` times: the fastest a step built from these separate
   XLA matmuls can be on this backend, whatever it does between them. Per step: time / steps."""
   matmuls = weight_matmuls(model, params)
-  weights, axes = [w for w, _ in matmuls], tuple(k for _, k in matmuls)
-  x_N = jnp.zeros((max(max(w.shape) for w in weights),), weights[0].dtype)
-  compiled = _matmul_chain.lower(weights, x_N, axes=axes, steps=steps).compile()
-  thunk = lambda: compiled(weights, x_N)  # noqa: E731
-  _timed(thunk)
-  return thunk
+  return chain_thunk([w for w, _ in matmuls], tuple(k for _, k in matmuls), steps)
 
 
 def matmul_count_sweep(plan: Plan, dtype) -> dict:
@@ -606,11 +611,7 @@ def matmul_count_sweep(plan: Plan, dtype) -> dict:
   for count in plan.sweep_counts:
     m = max(1, plan.sweep_bytes // itemsize // k // count)
     weights = [jnp.full((k, m), 1e-3, dtype) for _ in range(count)]  # separate buffers
-    x_N = jnp.zeros((max(k, m),), dtype)
-    compiled = _matmul_chain.lower(weights, x_N, axes=(0,) * count,
-                                   steps=plan.loop_steps).compile()
-    thunks[count] = functools.partial(compiled, weights, x_N)
-    _timed(thunks[count])
+    thunks[count] = chain_thunk(weights, (0,) * count, plan.loop_steps)
   t = interleaved_medians(thunks, plan.repeats)
   counts = list(plan.sweep_counts)
   per_round = [t[c] / plan.loop_steps for c in counts]
@@ -1013,15 +1014,17 @@ def markdown(results: dict) -> str:
     elif key == "4":
       for mod in s["models"]:
         b = mod["bound"]
+        hf = (f"HF plain {b['hf_plain_s_per_token'] * 1e3:.2f} ms, "
+              if "hf_plain_s_per_token" in b else "")  # absent when HF's plain row failed
+        ceiling = (f": HF / matmuls alone = **{b['hf_over_matmul_chain']:.2f}x**, the most "
+                   "plain decoding built from these XLA matmuls could reach"
+                   if "hf_over_matmul_chain" in b else "")
         lines.append(f"- {mod['model']}: ours/HF tokens/s {_ratios(mod['ours_over_hf'])}; "
-                     f"identical to HF {mod['identical_to_hf']}. Per token: HF plain "
-                     f"{b['hf_plain_s_per_token'] * 1e3:.2f} ms, our step "
+                     f"identical to HF {mod['identical_to_hf']}. Per token: {hf}our step "
                      f"{b['step_s'] * 1e3:.2f} ms, its weight matmuls alone "
                      f"{b['matmul_chain_s'] * 1e3:.2f} ms ({b['matmuls']} of them), one matvec "
                      f"over the same {b['streamed_bytes'] / 2**20:.0f} MiB "
-                     f"{b['matvec_s'] * 1e3:.2f} ms: HF / matmuls alone = "
-                     f"**{b['hf_over_matmul_chain']:.2f}x**, the most plain decoding built "
-                     "from these XLA matmuls could reach")
+                     f"{b['matvec_s'] * 1e3:.2f} ms{ceiling}")
       lines += [""] + md_table(s["rows"], S4_COLS)
     elif key == "5":
       r = s["roofline"]
