@@ -28,9 +28,9 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from models.llama import LlamaConfig, LlamaModel
-from models.params_io import CheckpointError, params_from_flat, params_to_flat, to_layout
-from models.tokenizer import HFTokenizer, TokenizerError, check_vocab_compatible
+from spec_jax.models.llama import LlamaConfig, LlamaModel
+from spec_jax.models.params_io import CheckpointError, params_from_flat, params_to_flat, to_layout
+from spec_jax.models.tokenizer import HFTokenizer, TokenizerError, check_vocab_compatible
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 FORMAT = "spec_jax-builtin"

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from models.llama import LAYOUTS, Block, LlamaConfig, LlamaModel, Linear, RMSNorm
-from spec_jax.kv_cache import KVCache, causal_mask
-from spec_jax.quantize import dense
+from spec_jax.models.llama import LAYOUTS, Block, LlamaConfig, LlamaModel, Linear, RMSNorm
+from spec_jax.core.kv_cache import KVCache, causal_mask
+from spec_jax.core.quantize import dense
 
 
 # --- the target's frozen pieces ---------------------------------------------------------------

@@ -18,8 +18,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from models.llama import LlamaConfig, LlamaModel
-from models.params_io import (CheckpointError, flat_names, params_from_flat, params_to_flat,
+from spec_jax.models.llama import LlamaConfig, LlamaModel
+from spec_jax.models.params_io import (CheckpointError, flat_names, params_from_flat, params_to_flat,
                               to_layout)
 
 CONFIG_FILE = "config.json"

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spec_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, causal_mask, write_rows
-from spec_jax.quantize import dense
+from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, causal_mask, write_rows
+from spec_jax.core.quantize import dense
 
 
 # Params layouts: {name: LlamaConfig layout fields}. "checkpoint" is what every reader and
-# writer uses; models.params_io.to_layout converts to the others after loading.
+# writer uses; spec_jax.models.params_io.to_layout converts to the others after loading.
 LAYOUTS = {"checkpoint": dict(fused_projections=False, kernels_out_in=False),
            "fused": dict(fused_projections=True, kernels_out_in=False),
            "fused_out_in": dict(fused_projections=True, kernels_out_in=True)}

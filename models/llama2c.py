@@ -12,8 +12,8 @@ import os
 
 import numpy as np
 
-from models.llama import LlamaConfig, LlamaModel
-from models.params_io import CheckpointError, params_from_flat, permute_adjacent_to_half
+from spec_jax.models.llama import LlamaConfig, LlamaModel
+from spec_jax.models.params_io import CheckpointError, params_from_flat, permute_adjacent_to_half
 
 _HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
                   "seq_len")

@@ -1,8 +1,8 @@
 """One entry point for every checkpoint format we read, and tokenizer discovery beside it.
 
-    *.bin                                  llama2.c version 0     -> models.llama2c
-    folder/config.json with native marker  spec_jax-native        -> models.native
-    folder/config.json + *.safetensors     Hugging Face           -> models.hf
+    *.bin                                  llama2.c version 0     -> spec_jax.models.llama2c
+    folder/config.json with native marker  spec_jax-native        -> spec_jax.models.native
+    folder/config.json + *.safetensors     Hugging Face           -> spec_jax.models.hf
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import glob
 import os
 from typing import Any
 
-from models.llama import LlamaModel
-from models.params_io import CheckpointError
+from spec_jax.models.llama import LlamaModel
+from spec_jax.models.params_io import CheckpointError
 
 
 def _describe(folder: str, limit: int = 12) -> str:
@@ -25,13 +25,13 @@ def load_model(path: str, *, dtype: str | None = "float32") -> tuple[LlamaModel,
 
   `dtype=None` keeps a native checkpoint's saved dtype (float32 for the other formats).
   """
-  from models import native  # local: keeps orbax off the import path of llama2c-only users
+  from spec_jax.models import native  # local: keeps orbax off the import path of llama2c-only users
 
   if not os.path.exists(path):
     raise FileNotFoundError(f"no checkpoint at {path}")
   if os.path.isfile(path):
     if path.endswith(".bin"):
-      from models.llama2c import load_llama2c
+      from spec_jax.models.llama2c import load_llama2c
       return load_llama2c(path, dtype=dtype or "float32")
     raise CheckpointError(f"{path}: unsupported checkpoint file (expected a llama2.c *.bin, "
                           "or a folder with config.json)")
@@ -40,14 +40,14 @@ def load_model(path: str, *, dtype: str | None = "float32") -> tuple[LlamaModel,
   if native.is_native(path):
     return native.load_native(path, dtype=dtype)
   if glob.glob(os.path.join(path, "*.safetensors")):
-    from models.hf import load_hf
+    from spec_jax.models.hf import load_hf
     return load_hf(path) if dtype is None else load_hf(path, dtype=dtype)
   raise CheckpointError(f"{path}: config.json is neither spec_jax-native nor accompanied by "
                         f"*.safetensors weights; found: {_describe(path)}")
 
 
 def _llama2c_vocab(path: str) -> int | None:
-  from models.llama2c import read_header
+  from spec_jax.models.llama2c import read_header
   try:
     return abs(read_header(path)["vocab_size"])
   except (CheckpointError, OSError):

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from models.llama import LlamaConfig, LlamaModel
-from models.params_io import CheckpointError, flat_names, path_to_name
+from spec_jax.models.llama import LlamaConfig, LlamaModel
+from spec_jax.models.params_io import CheckpointError, flat_names, path_to_name
 
 FORMAT = "spec_jax-native"
 VERSION = 1

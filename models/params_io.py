@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import LAYOUTS, LlamaModel
+from spec_jax.models.llama import LAYOUTS, LlamaModel
 
 
 class CheckpointError(ValueError):
@@ -79,13 +79,13 @@ _FUSED_PARTS = {"attn.wqkv": ("attn.wq", "attn.wk", "attn.wv"),
 
 
 def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.State]:
-  """The same function with its params in another layout (models.llama.LAYOUTS), from any.
+  """The same function with its params in another layout (spec_jax.models.llama.LAYOUTS), from any.
 
   Readers, writers, HF conversion and tensor-parallel sharding use the checkpoint layout;
   convert after loading, for decoding (the writers convert back themselves). Fused outputs
   are concatenated ([q | k | v], [gate | up]), so logits agree with the checkpoint layout up
   to float rounding; the conversion itself only moves values, so a round trip is exact.
-  Plain arrays only: convert, then quantize (spec_jax.quantize knows `kernel_OI`).
+  Plain arrays only: convert, then quantize (spec_jax.core.quantize knows `kernel_OI`).
   """
   if layout not in LAYOUTS:
     raise ValueError(f"unknown layout {layout!r}; choose from {sorted(LAYOUTS)}")

@@ -6,7 +6,7 @@
 
 Scenarios:
   1  stories260K (../shared/models/stories260K): autoregressive vs every drafter, batch 1 and 16
-  2  the built-in pair (models.builtin) on code prompts: draft model (gamma 2..6), prompt lookup
+  2  the built-in pair (spec_jax.models.builtin) on code prompts: draft model (gamma 2..6), prompt lookup
   3  a ~300M float32 random target, synthetic acceptance alpha (LOSSY, engine only): measured
      speed-up next to the one predicted from separately measured step costs
   4  against HF transformers (PyTorch, CPU): plain, assistant model, prompt lookup
@@ -41,12 +41,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.llama import LAYOUTS, LlamaConfig, LlamaModel  # noqa: E402
-from models.params_io import to_layout  # noqa: E402
+from spec_jax.models.llama import LAYOUTS, LlamaConfig, LlamaModel  # noqa: E402
+from spec_jax.models.params_io import to_layout  # noqa: E402
 from spec_jax.generate import (NO_EOS, GenerationOutput, _generate_jit, budgets_array,  # noqa: E402
                                check_generation_args, generate, pad_prompts)
 from spec_jax.metrics import summarize  # noqa: E402
-from spec_jax.sampling import SamplingConfig  # noqa: E402
+from spec_jax.core.sampling import SamplingConfig  # noqa: E402
 from spec_jax.speculative import _speculative_jit, prepare, speculative_generate  # noqa: E402
 from spec_jax.verify import verify  # noqa: E402
 
@@ -91,7 +91,7 @@ class Plan:
   s4_gamma: int = 4
   s4_new: int = 128
   prompt_width: int = 16
-  layout: str = "fused"  # models.llama.LAYOUTS: how our models' params are laid out
+  layout: str = "fused"  # spec_jax.models.llama.LAYOUTS: how our models' params are laid out
 
 
 QUICK = Plan(
@@ -440,8 +440,8 @@ def scenario_1(plan: Plan, ctx: dict) -> dict:
   path = STORIES / "stories260K.bin"
   if not path.exists():
     return skipped(f"{path} not found (the ../shared folder beside the repository)")
-  from models.llama2c import load_llama2c
-  from models.tokenizer import load_tokenizer
+  from spec_jax.models.llama2c import load_llama2c
+  from spec_jax.models.tokenizer import load_tokenizer
   model, params = to_layout(*load_llama2c(str(path)), plan.layout)
   tokenizer = load_tokenizer(str(STORIES / "tok512.bin"))
   prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
@@ -480,9 +480,9 @@ def skipped(note: str) -> dict:
 
 def scenario_2(plan: Plan, ctx: dict) -> dict:
   try:
-    from models.builtin import load_builtin
+    from spec_jax.models.builtin import load_builtin
   except ImportError as e:
-    return skipped(f"models.builtin is not there yet ({e})")
+    return skipped(f"spec_jax.models.builtin is not there yet ({e})")
   try:
     target, params, draft, draft_params, tokenizer = load_builtin()
   except Exception as e:  # noqa: BLE001  e.g. the checkpoint is still being trained
@@ -741,7 +741,7 @@ def hf_case(hf_model, label: str, gen_kwargs: dict, max_new: int, **info) -> Cas
 def to_hf(model, params, folder: str):
   import torch
   import transformers
-  from models.hf import save_hf
+  from spec_jax.models.hf import save_hf
   save_hf(folder, model, params)
   hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                          attn_implementation="sdpa")
@@ -899,7 +899,7 @@ def scenario_5(plan: Plan, ctx: dict) -> dict:
   notes = ["roofline = the faster of a [N] x [N, M] matvec over the same bytes and a sum of "
            "all params; step = one token, batch 1, in a fori_loop of "
            f"{step_info['steps']} steps; timed interleaved",
-           "step in each params layout (models.llama.LAYOUTS): checkpoint = 7 matmuls per "
+           "step in each params layout (spec_jax.models.llama.LAYOUTS): checkpoint = 7 matmuls per "
            "layer, kernels [in, out]; fused = 4 (QKV, gate/up fused); fused_out_in = 4, "
            f"kernels [out, in]. The headline is the fastest ({best}); pass_{pass_tokens}_tokens_s: "
            f"one {pass_tokens}-token pass (a gamma-{pass_tokens - 1} verification) per layout"]
@@ -1137,7 +1137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's run)")
   p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; quick 3)")
   p.add_argument("--layout", default=None, choices=tuple(LAYOUTS),
-                 help="params layout of our models (models.llama.LAYOUTS; default fused)")
+                 help="params layout of our models (spec_jax.models.llama.LAYOUTS; default fused)")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="dtype of the scenario 3/5 models (default float32; use bfloat16 on GPU/TPU)")
   p.add_argument("--target-size", default=None, choices=sorted(TARGET_SIZES),

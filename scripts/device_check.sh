@@ -21,7 +21,7 @@ python3 - <<'PY' || exit 1
 import jax, flax, optax, numpy
 print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
       "numpy", numpy.__version__, "backend", jax.default_backend(), jax.devices())
-from models.builtin import load_builtin
+from spec_jax.models.builtin import load_builtin
 PY
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 

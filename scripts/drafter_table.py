@@ -8,7 +8,7 @@ Same prompts (by default those of the test suite's `story_prompts`), gamma (chai
 budget (trees: depth, top-k, nodes) and settings for every row; the draft-model rows (the
 target itself, a noisy copy, a random small model) are references. The trained drafters
 (Medusa heads, EAGLE, MTP modules; as many heads/modules as gamma) are distilled from
-stories260K's own sampled generations with spec_jax.distill, exported to --trained-dir and
+stories260K's own sampled generations with spec_jax.training.distill, exported to --trained-dir and
 reused from there on later runs. Each row also checks that greedy output equals
 autoregressive output.
 """
@@ -26,15 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the test suite's noisy and small models
 
 from conftest import REFERENCE_DIR, REFERENCE_STEM, STORIES_DIR, perturbed, tiny_llama  # noqa: E402
-from models.llama2c import load_llama2c  # noqa: E402
-from spec_jax import distill  # noqa: E402
+from spec_jax.models.llama2c import load_llama2c  # noqa: E402
+from spec_jax.training import distill  # noqa: E402
 from spec_jax.drafters import make_drafter  # noqa: E402
 from spec_jax.drafters.base import TreeDrafter  # noqa: E402
 from spec_jax.drafters.factory import TreeOptions  # noqa: E402
 from spec_jax.tree_speculative import tree_speculative_generate  # noqa: E402
 from spec_jax.generate import generate, pad_prompts  # noqa: E402
 from spec_jax.metrics import summarize  # noqa: E402
-from spec_jax.sampling import SamplingConfig  # noqa: E402
+from spec_jax.core.sampling import SamplingConfig  # noqa: E402
 from spec_jax.speculative import speculative_generate  # noqa: E402
 
 

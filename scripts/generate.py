@@ -20,7 +20,7 @@ import numpy as np
 
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 
 from spec_jax.drafters.base import TreeDrafter
@@ -28,7 +28,7 @@ from spec_jax.drafters.factory import KINDS as DRAFTER_KINDS, TreeOptions
 from spec_jax.drafters.factory import make_drafter as build_drafter
 from spec_jax.tree_speculative import tree_speculative_generate
 
-from models.llama import LAYOUTS
+from spec_jax.models.llama import LAYOUTS
 
 DRAFT_KINDS = DRAFTER_KINDS + ("none",)
 COMPARE_REPEATS = 7  # --compare: medians of this many interleaved runs of each
@@ -69,16 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--stream", action="store_true", help="print text as it is produced")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   p.add_argument("--layout", default="fused", choices=tuple(LAYOUTS),
-                 help="params layout to decode in (models.llama.LAYOUTS): fused QKV and "
+                 help="params layout to decode in (spec_jax.models.llama.LAYOUTS): fused QKV and "
                       "gate/up matmuls by default; fused_out_in also stores kernels [out, in], "
                       "faster for one-token steps of large models on CPU, slower to verify")
   return p.parse_args(argv)
 
 
 def for_decoding(args, model, params):
-  """Llama models decode in --layout (models.params_io.to_layout)."""
-  from models.llama import LlamaModel
-  from models.params_io import to_layout
+  """Llama models decode in --layout (spec_jax.models.params_io.to_layout)."""
+  from spec_jax.models.llama import LlamaModel
+  from spec_jax.models.params_io import to_layout
   if not isinstance(model, LlamaModel):
     return model, params
   return to_layout(model, params, args.layout)
@@ -86,13 +86,13 @@ def for_decoding(args, model, params):
 
 def load_target_and_tokenizer(args):
   """-> (model, params, tokenizer, builtin draft or None)."""
-  from models.tokenizer import check_vocab_compatible, load_tokenizer
+  from spec_jax.models.tokenizer import check_vocab_compatible, load_tokenizer
   if args.model == "builtin":
-    from models.builtin import load_builtin
+    from spec_jax.models.builtin import load_builtin
     target, params, draft, draft_params, tokenizer = load_builtin()
     return (*for_decoding(args, target, params), tokenizer,
             for_decoding(args, draft, draft_params))
-  from models.loading import find_tokenizer_path, load_model
+  from spec_jax.models.loading import find_tokenizer_path, load_model
   target, params = for_decoding(args, *load_model(args.model))
   tok_path = args.tokenizer or find_tokenizer_path(args.model)
   if tok_path is None:
@@ -111,8 +111,8 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
   tree = None if args.tree is None else TreeOptions.parse(args.tree)
   if kind.endswith("draft_model") and args.draft_checkpoint is None:
     if args.draft_model:
-      from models.loading import find_tokenizer_path, load_model
-      from models.tokenizer import check_same_tokenizer, load_tokenizer
+      from spec_jax.models.loading import find_tokenizer_path, load_model
+      from spec_jax.models.tokenizer import check_same_tokenizer, load_tokenizer
       draft_model, draft_params = for_decoding(args, *load_model(args.draft_model))
       draft_tok = find_tokenizer_path(args.draft_model)
       if draft_tok is not None:

@@ -5,13 +5,13 @@
   python scripts/train.py --out /tmp/pair --quick         # a seconds-long smoke version
   python scripts/train.py --out models/builtin --eval-only  # re-measure, rewrite README.md
 
-Corpus: the Python standard library's own source (spec_jax.data), a fixed 5% of files held
+Corpus: the Python standard library's own source (spec_jax.training.data), a fixed 5% of files held
 out. Stages: a byte-level BPE tokenizer (`tokenizers`); a Llama target trained with
 next-token cross-entropy; a much shallower draft distilled from the frozen target's logits
 (forward KL, so its distribution covers the target's and acceptance rises). Both run
 through spec_jax.training (AdamW, warm-up + cosine, clipping, orbax checkpoints in
 --work-dir: rerun with --resume after an interruption); the params with the best held-out
-loss are exported with int8 matrices (models.builtin; the draft is distilled from the
+loss are exported with int8 matrices (spec_jax.models.builtin; the draft is distilled from the
 target as exported). Last, it measures held-out losses, greedy
 acceptance for several gammas and the speed-up over autoregressive decoding, and writes
 training.json and README.md beside the weights.
@@ -38,10 +38,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import builtin  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from models.params_io import params_from_flat, params_to_flat, path_to_name  # noqa: E402
-from spec_jax import data  # noqa: E402
+from spec_jax.models import builtin  # noqa: E402
+from spec_jax.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from spec_jax.models.params_io import params_from_flat, params_to_flat, path_to_name  # noqa: E402
+from spec_jax.training import data  # noqa: E402
 from spec_jax.training import (TrainState, distillation_kl, make_optimizer,  # noqa: E402
                                make_train_step, next_token_cross_entropy, restore_best,
                                train_loop)
@@ -411,7 +411,7 @@ def write_readme(folder: Path, report: dict[str, Any]) -> None:
       "standard library's own source (`*.py` under `sysconfig.get_paths()['stdlib']`, "
       f"excluding {', '.join(report['corpus']['excluded_dirs'])}; "
       f"{report['corpus']['heldout_percent']}% of files held out by a hash of their path). "
-      "Load with `models.builtin.load_builtin()`; matrices are stored in int8 with a float32 "
+      "Load with `spec_jax.models.builtin.load_builtin()`; matrices are stored in int8 with a float32 "
       "scale per output channel (vectors in bfloat16) and run in float32.", "",
       "| | target | draft |", "|---|---|---|",
       f"| layers x dim (heads/kv, mlp) | {r['target']['n_layers']} x {r['target']['dim']} "

@@ -14,7 +14,7 @@ untrained vs trained, via speculative_generate.
 
 With --export-dir it also writes the drafter (the best params if kept, else the last) as
 drafter.json + drafter.safetensors, which `scripts/generate.py --draft KIND
---draft-checkpoint DIR` loads. The library behind this is spec_jax.distill.
+--draft-checkpoint DIR` loads. The library behind this is spec_jax.training.distill.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
-from spec_jax.distill import (Trainer, export_drafter, generated_corpus,  # noqa: E402
+from spec_jax.training.distill import (Trainer, export_drafter, generated_corpus,  # noqa: E402
                               make_spec, mean_accepted, text_corpus, write_description)
 from spec_jax.drafter_losses import KINDS  # noqa: E402
 from spec_jax.training import restore_best  # noqa: E402
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  from models.loading import find_tokenizer_path, load_model
+  from spec_jax.models.loading import find_tokenizer_path, load_model
   target, target_params = load_model(args.model)
   spec = make_spec(args.kind, target, num_heads=args.num_heads, draft_dim=args.draft_dim,
                    draft_layers=args.draft_layers, draft_hidden=args.draft_hidden)
@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
                               seq_len=args.seq_len, heldout=args.heldout, seed=args.seed,
                               temperature=args.gen_temperature)
   else:
-    from models.tokenizer import load_tokenizer
+    from spec_jax.models.tokenizer import load_tokenizer
     tok_path = args.tokenizer or find_tokenizer_path(args.model)
     if tok_path is None:
       raise SystemExit(f"no tokenizer found beside {args.model}; pass --tokenizer")

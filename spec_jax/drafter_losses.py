@@ -22,77 +22,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
-from flax import struct
-
-from spec_jax.training import distillation_kl
-
-TOKEN_LOSSES = ("kl", "ce")
-
-
-@struct.dataclass
-class TargetOutputs:
-  tokens_BT: jax.Array  # [B, T] int32
-  mask_BT: jax.Array  # [B, T] bool: real tokens (False on padding)
-  logits_BTV: jax.Array  # [B, T, V] float32: target logits, predicting x_{t+1}
-  hidden_BTD: jax.Array  # [B, T, D] target's last (post-final-norm) hidden states
-
-
-def target_outputs(target, target_params, tokens_BT, mask_BT=None) -> TargetOutputs:
-  """One frozen target pass over whole sequences (positions 0..T-1), no gradient."""
-  batch, length = tokens_BT.shape
-  positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  logits_BTV, hidden_BTD, _ = target.apply(target_params, tokens_BT, positions_BT,
-                                           target.init_cache(batch, length))
-  if mask_BT is None:
-    mask_BT = jnp.ones((batch, length), bool)
-  return TargetOutputs(tokens_BT, mask_BT.astype(bool),
-                       jax.lax.stop_gradient(logits_BTV.astype(jnp.float32)),
-                       jax.lax.stop_gradient(hidden_BTD))
-
-
-def shift_left(x_BT, s: int, fill=0):
-  """out[:, t] = x[:, t + s], `fill` where t + s is past the end."""
-  if s == 0:
-    return x_BT
-  pad = jnp.full((x_BT.shape[0], s) + x_BT.shape[2:], fill, x_BT.dtype)
-  return jnp.concatenate([x_BT[:, s:], pad], axis=1)
-
-
-def masked_mean(values_BT, mask_BT):
-  mask_BT = mask_BT.astype(jnp.float32)
-  return jnp.sum(values_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
-
-
-def token_loss(student_BTV, t: TargetOutputs, shift: int, kind: str):
-  """Drafter logits at t against the target's prediction of x_{t+shift}.
-
-  -> (loss, top-1 agreement with the target's argmax: the greedy acceptance of one draft).
-  """
-  if kind not in TOKEN_LOSSES:
-    raise ValueError(f"token loss must be one of {TOKEN_LOSSES}, got {kind!r}")
-  teacher_BTV = shift_left(t.logits_BTV, shift - 1)
-  valid_BT = shift_left(t.mask_BT, shift, False)
-  if kind == "kl":
-    loss = distillation_kl(student_BTV, teacher_BTV, valid_BT)
-  else:
-    labels_BT = shift_left(t.tokens_BT, shift)
-    ce_BT = optax.softmax_cross_entropy_with_integer_labels(student_BTV.astype(jnp.float32),
-                                                            labels_BT)
-    loss = masked_mean(ce_BT, valid_BT)
-  agree_BT = jnp.argmax(student_BTV, -1) == jnp.argmax(teacher_BTV, -1)
-  return loss, masked_mean(agree_BT, valid_BT)
-
-
-def _positions(t: TargetOutputs):
-  batch, length = t.tokens_BT.shape
-  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-
+from spec_jax.losses import (TargetOutputs, positions_of, shift_left, smooth_l1,
+                             target_outputs, token_loss)
 
 def draft_model_loss(model, params, t: TargetOutputs, *, token: str = "kl"):
   """A separate draft model (a CausalLM) on the same tokens: logits at t vs the target's."""
   batch, length = t.tokens_BT.shape
-  logits_BTV, _, _ = model.apply(params, t.tokens_BT, _positions(t),
+  logits_BTV, _, _ = model.apply(params, t.tokens_BT, positions_of(t),
                                  model.init_cache(batch, length))
   loss, agree = token_loss(logits_BTV, t, 1, token)
   return loss, {"token_loss": loss, "agree_1": agree}
@@ -109,13 +45,6 @@ def medusa_loss(model, params, t: TargetOutputs, *, token: str = "kl", decay: fl
   return total, metrics
 
 
-def smooth_l1(pred_BTD, target_BTD, mask_BT):
-  """Smooth L1 (Huber, delta 1), mean over features, masked mean over positions."""
-  per_BT = jnp.mean(optax.huber_loss(pred_BTD.astype(jnp.float32),
-                                     target_BTD.astype(jnp.float32), delta=1.0), axis=-1)
-  return masked_mean(per_BT, mask_BT)
-
-
 def eagle_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
                feature_weight: float = 1.0, token_weight: float = 0.1,
                feature_noise: float = 0.0):
@@ -130,7 +59,7 @@ def eagle_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
     features_BTD = features_BTD + jax.random.uniform(
         rng, features_BTD.shape, features_BTD.dtype, -feature_noise, feature_noise)
   logits_BTV, pred_BTD, _ = model.apply(params, features_BTD, shift_left(t.tokens_BT, 1),
-                                        _positions(t), model.init_cache(batch, length))
+                                        positions_of(t), model.init_cache(batch, length))
   feature = smooth_l1(pred_BTD, shift_left(t.hidden_BTD, 1), shift_left(t.mask_BT, 1, False))
   tok, agree = token_loss(logits_BTV, t, 2, token)
   loss = feature_weight * feature + token_weight * tok
@@ -140,7 +69,7 @@ def eagle_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
 def mtp_loss(model, params, t: TargetOutputs, *, token: str = "kl"):
   """Mean over modules of module k's token loss (DeepSeek-V3 weighs them equally)."""
   batch, length = t.tokens_BT.shape
-  logits_KBTV, _ = model.apply(params, t.hidden_BTD, t.tokens_BT, _positions(t),
+  logits_KBTV, _ = model.apply(params, t.hidden_BTD, t.tokens_BT, positions_of(t),
                                model.init_cache(batch, length))
   num = logits_KBTV.shape[0]
   total, metrics = 0.0, {}
@@ -164,7 +93,7 @@ def make_loss_fn(kind: str, target, model, **options) -> Callable:
   """
   if kind not in KINDS:
     raise ValueError(f"unknown drafter kind {kind!r}; one of {', '.join(KINDS)}")
-  from models.drafter_heads import HeadParams, shared_head  # heads live with the models
+  from spec_jax.models.drafter_heads import HeadParams, shared_head  # heads live with the models
 
   def loss_fn(params, batch, rng):
     t = target_outputs(target, batch["target_params"], batch["tokens"], batch.get("mask"))

@@ -12,27 +12,18 @@ not yet fed to the model, so the model's cache always holds `prompt + generated 
 from __future__ import annotations
 
 import functools
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax.kv_cache import KVCache
-from spec_jax.sampling import SamplingConfig, sample
+from spec_jax.core.interface import CausalLM
+from spec_jax.core.kv_cache import KVCache
+from spec_jax.core.sampling import SamplingConfig, sample
 
 NO_EOS = -1
-
-
-class CausalLM(Protocol):
-  """What spec_jax needs of a model (see DESIGN.md, the functional model interface)."""
-  vocab_size: int
-  max_seq_len: int
-
-  def init_cache(self, batch_size: int, max_len: int) -> KVCache: ...
-
-  def apply(self, params, tokens_BT, positions_BT, cache, **kw) -> tuple[jax.Array, jax.Array, KVCache]: ...
 
 
 @struct.dataclass

@@ -28,8 +28,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.generate import _generate_jit, budgets_array, check_generation_args, key_and_eos
-from spec_jax.kv_cache import KVCache
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.kv_cache import KVCache
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import SpeculativeProgram, _speculative_jit, prepare
 from spec_jax.verify import verify
 
@@ -62,7 +62,7 @@ class ShardingRules:
 DEFAULT_RULES = ShardingRules()  # target: tensor-parallel over `model`, batch over `data`
 DRAFT_RULES = ShardingRules(q_heads=None, kv_heads=None, mlp=None, vocab=None)  # replicated
 
-# Parameter name (see models.params_io.path_to_name) -> logical axes of its dimensions.
+# Parameter name (see spec_jax.models.params_io.path_to_name) -> logical axes of its dimensions.
 # Kernels are [in, out]. Fused head dims [heads * head_dim] are named by their heads.
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"embed", ("vocab", "embed")),
@@ -83,7 +83,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r".*norm\.scale", ("embed",)),
 )
 _HEAD_AXES = ("q_heads", "kv_heads")
-# int8 QuantizedArray(OI) leaves (spec_jax.quantize): values in the kernel's orientation, and
+# int8 QuantizedArray(OI) leaves (spec_jax.core.quantize): values in the kernel's orientation, and
 # one scale per output channel
 _QUANT_VALUES, _QUANT_SCALE = ("values_IO", "values_OI"), "scale_O"
 
@@ -173,7 +173,7 @@ def _leaf_name(path) -> str:
   parts = []
   for k in path:
     k = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-    if k != "value":  # an nnx.Variable's own value field (as models.params_io.path_to_name)
+    if k != "value":  # an nnx.Variable's own value field (as spec_jax.models.params_io.path_to_name)
       parts.append(str(k))
   return ".".join(parts)
 
@@ -262,8 +262,8 @@ def load_sharded(folder: str, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, 
 
   `expect`: a model the checkpoint must match (same parameter names and shapes).
   """
-  from models.llama import LlamaModel  # spec_jax proper stays model-agnostic
-  from models.native import load_native, read_config
+  from spec_jax.models.llama import LlamaModel  # spec_jax proper stays model-agnostic
+  from spec_jax.models.native import load_native, read_config
   model = LlamaModel(read_config(folder))  # shapes only: the dtype does not change them
   if expect is not None:
     _check_same_shapes(model, expect, folder)

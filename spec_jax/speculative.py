@@ -21,13 +21,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
-from spec_jax.generate import (CausalLM, GenerationOutput, budgets_array,
+from spec_jax.core.interface import CausalLM
+from spec_jax.generate import (GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
                                initial_buffer, key_and_eos, prefill, tokens_to_emit,
                                write_tokens)
-from spec_jax.kv_cache import KVCache
+from spec_jax.core.kv_cache import KVCache
 from spec_jax.metrics import SpecMetrics
-from spec_jax.sampling import SamplingConfig, sample
+from spec_jax.core.sampling import SamplingConfig, sample
 from spec_jax.verify import verify
 
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from spec_jax.drafters.base import TreeDrafter
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import SpeculativeProgram, prepare
 from spec_jax.tree_speculative import prepare_tree
 from spec_jax.tree_verify import verify_tree

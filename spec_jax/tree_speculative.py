@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.base import DraftContext, TreeDrafter
-from spec_jax.generate import CausalLM
-from spec_jax.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.interface import CausalLM
+from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import SpecState, _speculative_jit, commit_round, prepare
 from spec_jax.tree_verify import verify_tree
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spec_jax.sampling import SamplingConfig, greedy, sample_from_probs, warped_probs
+from spec_jax.core.sampling import SamplingConfig, greedy, sample_from_probs, warped_probs
 from spec_jax.tree import TokenTree
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spec_jax.sampling import SamplingConfig, greedy, sample_from_probs, warped_probs
+from spec_jax.core.sampling import SamplingConfig, greedy, sample_from_probs, warped_probs
 
 
 def check_verify_shapes(draft_tokens_BG, draft_probs_BGV, target_logits_BG1V):

@@ -33,7 +33,7 @@ def require_shared(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def stories():
   """(model, params) of stories260K, read from ../shared."""
-  from models.llama2c import load_llama2c
+  from spec_jax.models.llama2c import load_llama2c
   return load_llama2c(str(require_shared(STORIES_DIR / "stories260K.bin")))
 
 
@@ -52,7 +52,7 @@ def story_prompts(reference_tokens) -> list[list[int]]:
 
 def tiny_llama(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
                seed=0, **kw):
-  from models.llama import LlamaConfig, LlamaModel
+  from spec_jax.models.llama import LlamaConfig, LlamaModel
   model = LlamaModel(LlamaConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers,
                                  n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=hidden_dim,
                                  max_seq_len=kw.pop("max_seq_len", 256), **kw))

@@ -38,7 +38,7 @@ def main(port: int, process_id: int, out_path: str) -> None:
           target, params, drafter, draft_params, *case["prompts"], mesh=mesh, gamma=GAMMA,
           max_new_tokens=NEW, sampling=case["sampling"], key=case["key"]),
   }
-  from models.params_io import path_to_name
+  from spec_jax.models.params_io import path_to_name
   wq = {path_to_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}[
       "layers.0.attn.wq.kernel"]
   # each process's half of the prompt rows -> one global batch, gathered back whole

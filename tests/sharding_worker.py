@@ -30,7 +30,7 @@ def build_case():
   import jax
   from conftest import perturbed, tiny_llama
   from spec_jax.generate import pad_prompts
-  from spec_jax.sampling import SamplingConfig
+  from spec_jax.core.sampling import SamplingConfig
   target, params = tiny_llama(vocab_size=128, dim=64, n_layers=1, n_heads=8, n_kv_heads=4,
                               hidden_dim=128, seed=3)
   draft_params = perturbed(params, 0.3, seed=4)  # agrees with the target part of the time
@@ -75,7 +75,7 @@ def layout(x) -> list:
 
 def layouts(tree) -> dict:
   import jax
-  from models.params_io import path_to_name
+  from spec_jax.models.params_io import path_to_name
   return {path_to_name(p): layout(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -120,7 +120,7 @@ def stories_check(mesh) -> dict | None:
   """stories260K (4 KV heads, mlp 172) on 1x8 with the mlp replicated: KV heads replicated."""
   if not STORIES_BIN.exists():
     return None
-  from models.llama2c import load_llama2c
+  from spec_jax.models.llama2c import load_llama2c
   from spec_jax import sharding as sh
   from spec_jax.generate import generate, pad_prompts
   model, params = load_llama2c(str(STORIES_BIN))
@@ -138,7 +138,7 @@ def stories_check(mesh) -> dict | None:
 def checkpoint_check(case, mesh) -> dict:
   """Native checkpoint restored straight into the 2x4 sharding; 5 prompts (batch % 2 != 0)."""
   import jax
-  from models.native import save_native
+  from spec_jax.models.native import save_native
   from spec_jax import sharding as sh
   from spec_jax.generate import generate
   target, params = case["target"], case["params"]
@@ -157,7 +157,7 @@ def checkpoint_check(case, mesh) -> dict:
 def quantized_check(case, mesh) -> dict:
   """Where int8 leaves (values [in, out], scale [out]) go; layouts only."""
   from spec_jax import sharding as sh
-  from spec_jax.quantize import quantize_params
+  from spec_jax.core.quantize import quantize_params
   qparams = quantize_params(case["params"])
   head_dim = case["target"].config.resolved_head_dim
   return {"params": layouts(sh.shard_params(qparams, mesh, head_dim=head_dim))}

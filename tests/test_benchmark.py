@@ -15,7 +15,7 @@ import pytest
 
 from spec_jax.drafters.synthetic import (CoinVerifier, expected_tokens_per_round,
                                          predicted_speedup)
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600  # ~60 s on a quiet 2-core machine; far more under many pytest-xdist workers
@@ -100,7 +100,7 @@ def test_quick_benchmark_scenario_contents(quick_run):
   assert s["3"]["costs"]["target_step"]["step_s"] > 0
   roofline = s["5"]["roofline"]
   assert roofline["ratio"] > 0 and isinstance(roofline["meets_target"], bool)
-  from models.params_io import LAYOUTS
+  from spec_jax.models.params_io import LAYOUTS
   assert set(roofline["layouts"]) == set(LAYOUTS)  # every params layout, side by side
   for layout in roofline["layouts"].values():
     assert layout["step_s"] > 0 and layout["pass_5_tokens_s"] > 0 and layout["ratio"] > 0
@@ -151,7 +151,7 @@ def test_weight_matmuls_are_the_steps_products(layout, tied):
   its layout's orientation) and the head, not the gathered-from embedding table."""
   sys.path.insert(0, str(REPO / "scripts"))
   import benchmark
-  from models.llama import LAYOUTS
+  from spec_jax.models.llama import LAYOUTS
   vocab, dim, hidden, layers = 100, 32, 48, 2
   model, params = benchmark.random_model(0, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4,
                                          n_kv_heads=2, hidden_dim=hidden, tie_embeddings=tied,

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from conftest import REPO, STORIES_DIR, perturbed, tiny_llama
-from models.params_io import CheckpointError
-from spec_jax import distill
+from spec_jax.models.params_io import CheckpointError
+from spec_jax.training import distill
 from spec_jax.drafters import (DraftModelTreeDrafter, EagleDrafter, EagleTreeDrafter,
                                MedusaDrafter, MedusaTreeDrafter, MTPDrafter, MTPTreeDrafter)
 from spec_jax.drafters.factory import TreeOptions, make_drafter, static_choices
 from spec_jax.generate import generate, pad_prompts
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.streaming import speculative_chunks
 from spec_jax.tree_speculative import tree_speculative_generate
 

@@ -21,8 +21,8 @@ from spec_jax.drafters import (DraftModelDrafter, Drafter, FallbackDrafter, Laye
 from spec_jax.drafters.layer_skip import truncated_model
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
-from spec_jax.quantize import quantize_params
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.quantize import quantize_params
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 from test_speculative import (DEPTH, NEW, PROMPT, SAMPLES, SIGNIFICANCE,  # noqa: F401
                               assert_cache_prefix_close, exact_joint, pvalue_vs_exact,

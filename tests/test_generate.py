@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REFERENCE_DIR, REFERENCE_STEM, require_shared, tiny_llama
 from spec_jax.generate import _generate_jit, generate, pad_prompts
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 
 LOGITS_ATOL = 1e-4  # the reference C implementation's float32 logits
 

@@ -21,9 +21,9 @@ import safetensors.numpy
 torch = pytest.importorskip("torch", reason="HF conformance tests need torch")
 transformers = pytest.importorskip("transformers", reason="HF conformance tests need transformers")
 
-from models.hf import config_from_hf, load_hf, save_hf  # noqa: E402
-from models.llama import LlamaConfig, LlamaModel  # noqa: E402
-from models.params_io import CheckpointError, params_to_flat  # noqa: E402
+from spec_jax.models.hf import config_from_hf, load_hf, save_hf  # noqa: E402
+from spec_jax.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from spec_jax.models.params_io import CheckpointError, params_to_flat  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -145,7 +145,7 @@ def test_cached_decoding_matches_hf(hf_checkpoints, spec):
 @pytest.mark.parametrize("spec", sorted(SPECS))
 def test_greedy_generation_matches_hf_generate(hf_checkpoints, spec):
   from spec_jax.generate import generate
-  from spec_jax.sampling import SamplingConfig
+  from spec_jax.core.sampling import SamplingConfig
 
   hf_model, folder = hf_checkpoints(spec)
   model, params = load_hf(folder)

@@ -1,4 +1,4 @@
-"""Params layouts (models.params_io.LAYOUTS): the same function, fused and/or [out, in].
+"""Params layouts (spec_jax.models.params_io.LAYOUTS): the same function, fused and/or [out, in].
 
 Each layout is a conversion of the checkpoint layout (and back, exactly); these tests pin
 that it computes the same logits, that every consumer of a target's params (drafters
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_llama
-from models.params_io import LAYOUTS, flat_names, params_to_flat, to_layout
+from spec_jax.models.params_io import LAYOUTS, flat_names, params_to_flat, to_layout
 from spec_jax.drafters import make_drafter
 from spec_jax.generate import generate, pad_prompts
-from spec_jax.quantize import QuantizedArray, QuantizedArrayOI, dense, quantize_params
+from spec_jax.core.quantize import QuantizedArray, QuantizedArrayOI, dense, quantize_params
 from spec_jax.speculative import speculative_generate
 
 # fixed before running: the layouts reorder float32 sums only (concatenated matmul outputs,
@@ -144,8 +144,8 @@ def test_conversions_between_any_two_layouts_are_exact(bias_untied):
 def test_writers_save_any_layout_as_the_checkpoint_layout(tmp_path, layout):
   """save_model and save_hf write the checkpoint layout whatever layout the params are in:
   the files are the ones the checkpoint-layout params write."""
-  from models.builtin import load_model, save_model
-  from models.hf import load_hf, save_hf
+  from spec_jax.models.builtin import load_model, save_model
+  from spec_jax.models.hf import load_hf, save_hf
   model, params = tiny_llama(qkv_bias=True)
   decoding = to_layout(model, params, layout)
   for name, (m, p) in {"checkpoint": (model, params), layout: decoding}.items():
@@ -164,7 +164,7 @@ def test_writers_save_any_layout_as_the_checkpoint_layout(tmp_path, layout):
 
 def test_drafter_heads_read_an_out_in_target():
   """EAGLE/MTP blocks keep the checkpoint layout; the shared head reads an [out, in] head."""
-  from models.drafter_heads import EagleConfig, MTPConfig, shared_head
+  from spec_jax.models.drafter_heads import EagleConfig, MTPConfig, shared_head
   model, params = tiny_llama(tie_embeddings=False, seed=2)
   out_in, out_in_params = to_layout(model, params, "fused_out_in")
   for cfg in (EagleConfig.for_target(out_in.config).layer,

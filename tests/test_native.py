@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import LlamaConfig, LlamaModel
-from models.llama2c import load_llama2c
-from models.loading import find_tokenizer_path, load_model
-from models.native import load_native, save_native
-from models.params_io import CheckpointError, params_to_flat
+from spec_jax.models.llama import LlamaConfig, LlamaModel
+from spec_jax.models.llama2c import load_llama2c
+from spec_jax.models.loading import find_tokenizer_path, load_model
+from spec_jax.models.native import load_native, save_native
+from spec_jax.models.params_io import CheckpointError, params_to_flat
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORIES = os.path.join(REPO, "..", "shared", "models", "stories260K")

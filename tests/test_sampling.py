@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from spec_jax.sampling import SamplingConfig, greedy, sample, warped_probs
+from spec_jax.core.sampling import SamplingConfig, greedy, sample, warped_probs
 
 
 def _reference_warp(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:

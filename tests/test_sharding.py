@@ -302,8 +302,8 @@ def test_rules_and_mesh_errors():
 
 
 def test_checkpoint_that_does_not_match_the_model(tmp_path):
-  from models.native import save_native
-  from models.params_io import CheckpointError
+  from spec_jax.models.native import save_native
+  from spec_jax.models.params_io import CheckpointError
   model, params = tiny_llama(hidden_dim=48)
   save_native(str(tmp_path), model, params)
   mesh = sh.make_mesh(1, 1)

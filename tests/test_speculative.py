@@ -14,7 +14,7 @@ from conftest import STORIES_DIR, perturbed, require_shared, tiny_llama
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
-from spec_jax.sampling import SamplingConfig, sample_from_probs, warped_probs
+from spec_jax.core.sampling import SamplingConfig, sample_from_probs, warped_probs
 from spec_jax.speculative import _speculative_jit, prepare, speculative_generate
 from spec_jax.streaming import speculative_chunks
 from spec_jax.verify import verify
@@ -163,7 +163,7 @@ def test_bad_input(stories):
 
 
 def test_incompatible_tokenizers_are_refused():
-  from models.tokenizer import Llama2cTokenizer, check_same_tokenizer
+  from spec_jax.models.tokenizer import Llama2cTokenizer, check_same_tokenizer
   tok = Llama2cTokenizer.from_file(str(require_shared(STORIES_DIR / "tok512.bin")))
   check_same_tokenizer(tok, tok)
   pieces = [tok.piece_bytes(i) for i in range(tok.vocab_size)]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.tokenizer import (HFTokenizer, Llama2cTokenizer, TokenizerError,
+from spec_jax.models.tokenizer import (HFTokenizer, Llama2cTokenizer, TokenizerError,
                               check_same_tokenizer, check_vocab_compatible, load_tokenizer)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"

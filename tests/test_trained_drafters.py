@@ -1,7 +1,7 @@
 """Trained drafters (Medusa, EAGLE, MTP): lossless before and after training, training helps,
 drafter caches stay exact, checkpoints restore and interrupted training resumes exactly.
 
-The corpus is stories260K's own sampled generations; training uses spec_jax.distill (the
+The corpus is stories260K's own sampled generations; training uses spec_jax.training.distill (the
 library behind scripts/train_drafter.py; the shared spec_jax.training loop underneath).
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, STORIES_DIR, require_shared, tiny_llama
-from models.drafter_heads import HeadParams, shared_head
-from spec_jax import distill as td
+from spec_jax.models.drafter_heads import HeadParams, shared_head
+from spec_jax.training import distill as td
 from spec_jax.drafter_losses import shift_left, target_outputs
 from spec_jax.drafters.base import DraftContext, PromptInfo
 from spec_jax.drafters.eagle import EagleTreeDrafter
@@ -26,7 +26,7 @@ from spec_jax.drafters.medusa import MedusaTreeDrafter
 from spec_jax.drafters.mtp import MTPTreeDrafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 from spec_jax.training import restore_best, restore_latest
 from spec_jax.tree_speculative import tree_speculative_generate

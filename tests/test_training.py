@@ -1,5 +1,5 @@
 """spec_jax.training (losses, optimiser, loop, checkpoints), spec_jax.data, scripts/train.py
-and the shipped built-in pair (models.builtin)."""
+and the shipped built-in pair (spec_jax.models.builtin)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.builtin import BUILTIN_DIR, load_builtin
-from models.params_io import CheckpointError
-from spec_jax import data
+from spec_jax.models.builtin import BUILTIN_DIR, load_builtin
+from spec_jax.models.params_io import CheckpointError
+from spec_jax.training import data
 from spec_jax.training import (TrainState, distillation_kl, make_optimizer, make_train_step,
                                next_token_cross_entropy, restore_best, train_loop)
 
@@ -225,7 +225,7 @@ def test_shipped_pair_is_lossless_on_code():
 
 
 def test_builtin_storage_quantizes_matrices_per_output_channel(quick_pair, tmp_path):
-  from models.builtin import SCALE_SUFFIX, dequantize_tensors, quantize_tensor
+  from spec_jax.models.builtin import SCALE_SUFFIX, dequantize_tensors, quantize_tensor
   rng = np.random.default_rng(0)
   w = rng.standard_normal((48, 40)).astype(np.float32) * np.linspace(0.1, 3, 40)
   stored = quantize_tensor("layers.0.mlp.w_up.kernel", w)
@@ -243,6 +243,6 @@ def test_builtin_storage_quantizes_matrices_per_output_channel(quick_pair, tmp_p
   raw = safetensors.numpy.load_file(str(quick_pair / "target.safetensors"))
   assert raw["embed"].dtype == np.int8 and ("embed" + SCALE_SUFFIX) in raw
   _, params, *_ = load_builtin(quick_pair)
-  from models.params_io import params_to_flat
+  from spec_jax.models.params_io import params_to_flat
   np.testing.assert_array_equal(np.asarray(params_to_flat(params)["embed"]),
                                 raw["embed"].astype(np.float32) * raw["embed" + SCALE_SUFFIX])

@@ -19,9 +19,9 @@ from spec_jax.drafters.base import DraftContext, PromptInfo
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
 from spec_jax.generate import generate, pad_prompts
-from spec_jax.kv_cache import KVCache, tree_mask
+from spec_jax.core.kv_cache import KVCache, tree_mask
 from spec_jax.metrics import summarize
-from spec_jax.sampling import SamplingConfig, sample_from_probs, warped_probs
+from spec_jax.core.sampling import SamplingConfig, sample_from_probs, warped_probs
 from spec_jax.speculative import _speculative_jit
 from spec_jax.tree import (TokenTree, ancestor_mask, grow_dynamic_tree, static_tree,
                            tokens_from_topk)

@@ -14,9 +14,9 @@ from scipy import stats
 
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.generate import pad_prompts
-from spec_jax.kv_cache import KVCache
+from spec_jax.core.kv_cache import KVCache
 from spec_jax.metrics import summarize
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 from spec_jax.verify import verify, verify_greedy, verify_probs
 

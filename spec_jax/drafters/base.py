@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from flax import struct
 
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 
 
 @struct.dataclass

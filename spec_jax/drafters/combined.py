@@ -31,7 +31,7 @@ from flax import struct
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
 from spec_jax.drafters.prompt_lookup import found_match
-from spec_jax.sampling import SamplingConfig, sample, warped_probs
+from spec_jax.core.sampling import SamplingConfig, sample, warped_probs
 
 
 @dataclasses.dataclass(frozen=True)

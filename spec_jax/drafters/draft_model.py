@@ -17,8 +17,8 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.generate import prefill
-from spec_jax.kv_cache import KVCache
-from spec_jax.sampling import SamplingConfig, sample, warped_probs
+from spec_jax.core.kv_cache import KVCache
+from spec_jax.core.sampling import SamplingConfig, sample, warped_probs
 
 
 @struct.dataclass

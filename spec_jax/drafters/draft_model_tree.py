@@ -27,8 +27,8 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.generate import prefill
-from spec_jax.kv_cache import KVCache, tree_mask
-from spec_jax.sampling import SamplingConfig, warp_logits
+from spec_jax.core.kv_cache import KVCache, tree_mask
+from spec_jax.core.sampling import SamplingConfig, warp_logits
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
 

@@ -38,8 +38,8 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.drafters.medusa import draw, tree_log_probs
-from spec_jax.kv_cache import KVCache, tree_mask
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.kv_cache import KVCache, tree_mask
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
 
@@ -111,7 +111,7 @@ def eagle_window(model, params, state: EagleState, ctx: DraftContext, width: int
 
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
-  model: object  # models.drafter_heads.EagleModel (hashable); params: HeadParams
+  model: object  # spec_jax.models.drafter_heads.EagleModel (hashable); params: HeadParams
 
   @property
   def vocab_size(self) -> int:
@@ -154,7 +154,7 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
 
   Children are ranked by the draft's log-probs (warped when sampling): the tree is a
   deterministic function of the context, so tree verification with one-hot q is lossless.
-  `model`: a models.drafter_heads.EagleModel; params: HeadParams.
+  `model`: a spec_jax.models.drafter_heads.EagleModel; params: HeadParams.
   """
 
   def init(self, params, prompt: PromptInfo) -> EagleState:

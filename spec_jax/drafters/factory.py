@@ -92,7 +92,7 @@ def _model_drafter(kind: str, target_model, target_params, *, draft_model, draft
 
 
 def _trained_drafter(kind: str, target_model, target_params, checkpoint, tree):
-  from spec_jax.distill import load_drafter
+  from spec_jax.training.distill import load_drafter
   from spec_jax.drafters import eagle, medusa, mtp
   stored_kind, model, params = load_drafter(checkpoint, target_model, target_params)
   if stored_kind != kind:

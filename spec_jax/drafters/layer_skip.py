@@ -1,7 +1,7 @@
 """Layer-skip self-speculation: the target's first k layers (then its final norm and head) draft.
 
 No second set of weights: the draft params are the target params, and the draft model is
-the target's handle with `num_layers=k` (see models.llama.LlamaModel), which reads only the
+the target's handle with `num_layers=k` (see spec_jax.models.llama.LlamaModel), which reads only the
 first k layers of them.
 
 Cache decision: the draft keeps its own cache of its k layers and maintains it exactly as

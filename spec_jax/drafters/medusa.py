@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
-from spec_jax.sampling import SamplingConfig, sample, warp_logits, warped_probs
+from spec_jax.core.sampling import SamplingConfig, sample, warp_logits, warped_probs
 from spec_jax.tree import StaticTree, TokenTree, static_tree, tokens_from_topk
 
 
@@ -62,7 +62,7 @@ def draw(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig):
 
 @dataclasses.dataclass(frozen=True)
 class MedusaDrafter(Drafter):
-  model: object  # models.drafter_heads.MedusaModel (hashable); params: HeadParams
+  model: object  # spec_jax.models.drafter_heads.MedusaModel (hashable); params: HeadParams
 
   @property
   def vocab_size(self) -> int:
@@ -101,7 +101,7 @@ def tree_log_probs(logits_NV: jax.Array, sampling: SamplingConfig) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class MedusaTreeDrafter(TreeDrafter):
   """A static Medusa tree; `choices` are paths of top-k ranks, e.g. ((0,), (1,), (0, 0))."""
-  model: object  # models.drafter_heads.MedusaModel (hashable); params: HeadParams
+  model: object  # spec_jax.models.drafter_heads.MedusaModel (hashable); params: HeadParams
   choices: tuple = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
 
   @property

@@ -55,8 +55,8 @@ from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutco
 from spec_jax.drafters.eagle import (gather_positions, prompt_features, store_verified_features,
                                      window_positions)
 from spec_jax.drafters.medusa import draw, tree_log_probs
-from spec_jax.kv_cache import KVCache, causal_mask, tree_mask
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.kv_cache import KVCache, causal_mask, tree_mask
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
 
@@ -81,7 +81,7 @@ def mtp_init(model, params, prompt: PromptInfo) -> MTPState:
 
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter(Drafter):
-  model: object  # models.drafter_heads.MTPModel (hashable); params: HeadParams
+  model: object  # spec_jax.models.drafter_heads.MTPModel (hashable); params: HeadParams
 
   @property
   def vocab_size(self) -> int:
@@ -131,7 +131,7 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
 
   Children are ranked by the draft's log-probs (warped when sampling): the tree is a
   deterministic function of the context, so tree verification with one-hot q is lossless.
-  `model`: a models.drafter_heads.MTPModel; params: HeadParams.
+  `model`: a spec_jax.models.drafter_heads.MTPModel; params: HeadParams.
   """
 
   def check(self, target, gamma: int) -> None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 
 
 def _shift_right(x_BS: jax.Array, k: int, fill: int) -> jax.Array:

@@ -1,7 +1,7 @@
 """The quantized target as draft: the same model, its weights int8 (weight-only, per channel).
 
 Nothing new runs here: the draft is a DraftModelDrafter over the target's own model handle,
-and its params are `spec_jax.quantize.quantize_params(target_params)`, which turns every
+and its params are `spec_jax.core.quantize.quantize_params(target_params)`, which turns every
 projection matrix into int8 values with one float scale per output channel. Models in
 `models/` multiply through `quantize.dense`, so they run such params as they are.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from spec_jax.drafters.draft_model import DraftModelDrafter
-from spec_jax.quantize import quantize_params
+from spec_jax.core.quantize import quantize_params
 
 
 def quantized_target_drafter(target_model, target_params,

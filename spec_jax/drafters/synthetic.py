@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.drafters.draft_model import DraftModelDrafter
-from spec_jax.sampling import SamplingConfig, greedy
+from spec_jax.core.sampling import SamplingConfig, greedy
 
 
 @dataclasses.dataclass(frozen=True)

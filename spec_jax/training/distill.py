@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.drafter_heads import (EagleConfig, EagleModel, HeadParams, MedusaConfig,
+from spec_jax.models.drafter_heads import (EagleConfig, EagleModel, HeadParams, MedusaConfig,
                                   MedusaModel, MTPConfig, MTPModel, shared_head)
-from models.llama import LlamaConfig, LlamaModel
-from models.params_io import CheckpointError
+from spec_jax.models.llama import LlamaConfig, LlamaModel
+from spec_jax.models.params_io import CheckpointError
 from spec_jax.drafter_losses import KINDS, make_loss_fn
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.eagle import EagleDrafter
@@ -38,7 +38,7 @@ from spec_jax.drafters.medusa import MedusaDrafter
 from spec_jax.drafters.mtp import MTPDrafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
-from spec_jax.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import speculative_generate
 from spec_jax.training import TrainState, make_optimizer, make_train_step, train_loop
 
@@ -111,7 +111,7 @@ class Corpus:
     if self.train_rows is not None:
       rng = np.random.default_rng([self.seed, step])
       return self.train_rows[rng.integers(0, len(self.train_rows), size=batch_size)]
-    from spec_jax.data import random_windows
+    from spec_jax.training.data import random_windows
     return random_windows(self.stream, batch_size, self.seq_len, self.seed, step)
 
 

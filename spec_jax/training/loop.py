@@ -1,4 +1,4 @@
-"""The one training loop: optax optimiser, a jitted step, orbax checkpoints, losses.
+"""The one training loop: optax optimiser, a jitted step, orbax checkpoints.
 
 Model-agnostic: params are any pytree of arrays (plain nested dicts are the most robust
 choice for checkpoints), the loss is a function of (params, batch, rng), and batches come
@@ -25,43 +25,6 @@ from flax import struct
 
 Batch = Any
 LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
-
-
-# ---- losses -----------------------------------------------------------------------------------
-
-def _masked_mean(values_BT: jax.Array, mask_BT: jax.Array | None) -> jax.Array:
-  if mask_BT is None:
-    return jnp.mean(values_BT)
-  mask_BT = mask_BT.astype(jnp.float32)
-  return jnp.sum(values_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
-
-
-def next_token_cross_entropy(logits_BTV: jax.Array, tokens_BT: jax.Array,
-                             mask_BT: jax.Array | None = None) -> jax.Array:
-  """Mean cross-entropy (nats) of logits[:, t] predicting tokens[:, t + 1].
-
-  `logits_BTV` are the model's outputs on `tokens_BT`; the last position has no target.
-  `mask_BT` marks the positions whose prediction counts (aligned with the logits).
-  """
-  logits_BSV = logits_BTV[:, :-1].astype(jnp.float32)
-  ce_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, tokens_BT[:, 1:])
-  return _masked_mean(ce_BS, None if mask_BT is None else mask_BT[:, :-1])
-
-
-def distillation_kl(student_logits_BTV: jax.Array, teacher_logits_BTV: jax.Array,
-                    mask_BT: jax.Array | None = None, temperature: float = 1.0) -> jax.Array:
-  """Forward KL(teacher || student) per position, masked mean, times temperature**2.
-
-  Forward KL makes the student put mass wherever the teacher does, which is what raises
-  speculative acceptance (sum_x min(p, q) = 1 - TV(p, q)); the T**2 factor keeps gradient
-  scale independent of the temperature (Hinton et al.). The teacher gets no gradient.
-  """
-  t = jnp.float32(temperature)
-  teacher_BTV = jax.lax.stop_gradient(teacher_logits_BTV).astype(jnp.float32) / t
-  log_p_BTV = jax.nn.log_softmax(teacher_BTV, axis=-1)
-  log_q_BTV = jax.nn.log_softmax(student_logits_BTV.astype(jnp.float32) / t, axis=-1)
-  kl_BT = jnp.sum(jnp.exp(log_p_BTV) * (log_p_BTV - log_q_BTV), axis=-1)
-  return _masked_mean(kl_BT, mask_BT) * t * t
 
 
 # ---- optimiser and state ------------------------------------------------------------------------
