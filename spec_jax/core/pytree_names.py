@@ -1,0 +1,43 @@
+"""Parameter pytrees as flat {dotted name: array} dicts, and the one check that a flat set of
+tensors matches what a model expects (names and shapes), shared by every reader and writer."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+
+
+def path_to_name(path) -> str:
+  """A pytree key path as a '.'-joined name (dict keys, attribute names, sequence indices;
+  an nnx Variable's own `value` field is skipped)."""
+  parts = []
+  for k in path:
+    k = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+    if k == "value":
+      continue
+    parts.append(str(k))
+  return ".".join(parts)
+
+
+def flatten_with_names(tree) -> dict[str, object]:
+  """{dotted name: leaf} for every leaf of `tree`."""
+  return {path_to_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_names_and_shapes(expected: Mapping[str, object], actual: Mapping[str, object], *,
+                           source: str, error: Callable[[str], Exception] = ValueError,
+                           expected_by: str = "the model") -> None:
+  """Raises `error` naming `source` unless `actual` has exactly `expected`'s names, each with
+  the same shape. Values may be arrays, abstract arrays, or shape tuples."""
+  shape = lambda x: tuple(x) if isinstance(x, (tuple, list)) else tuple(x.shape)
+  missing = sorted(set(expected) - set(actual))
+  extra = sorted(set(actual) - set(expected))
+  if missing or extra:
+    more = lambda names: " ..." if len(names) > 8 else ""
+    raise error(f"{source}: parameters do not match {expected_by}: missing {missing[:8]}"
+                f"{more(missing)}, unexpected {extra[:8]}{more(extra)}")
+  for name, want in expected.items():
+    if shape(actual[name]) != shape(want):
+      raise error(f"{source}: parameter {name} has shape {shape(actual[name])}, {expected_by} "
+                  f"expects {shape(want)}")
