@@ -43,11 +43,11 @@ sys.path.insert(0, str(REPO))
 
 from spec_jax.models.llama import LAYOUTS, LlamaConfig, LlamaModel  # noqa: E402
 from spec_jax.models.params_io import to_layout  # noqa: E402
-from spec_jax.generate import (NO_EOS, GenerationOutput, _generate_jit, budgets_array,  # noqa: E402
+from spec_jax.generate import (NO_EOS, GenerationOutput, generate_jit, budgets_array,  # noqa: E402
                                check_generation_args, generate, pad_prompts)
 from spec_jax.metrics import summarize  # noqa: E402
 from spec_jax.core.sampling import SamplingConfig  # noqa: E402
-from spec_jax.speculative import _speculative_jit, prepare, speculative_generate  # noqa: E402
+from spec_jax.speculative import speculative_jit, prepare, speculative_generate  # noqa: E402
 from spec_jax.verify import verify  # noqa: E402
 
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -141,7 +141,7 @@ def param_count(params) -> int:
 
 
 def jit_cache_size() -> int:
-  return _generate_jit._cache_size() + _speculative_jit._cache_size()
+  return generate_jit._cache_size() + speculative_jit._cache_size()
 
 
 # ---- the machine -----------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def ar_case(model, params, *, max_new_tokens: int, cache_len: int, label="autore
   def lower(tokens, lengths):
     tokens, lengths, _ = check_generation_args(model, tokens, lengths, **kw)
     budgets = budgets_array(max_new_tokens, None, tokens.shape[0])
-    return _generate_jit.lower(model, params, tokens, lengths, budgets, jnp.int32(NO_EOS),
+    return generate_jit.lower(model, params, tokens, lengths, budgets, jnp.int32(NO_EOS),
                                jnp.int32(0), jax.random.key(0), sampling=GREEDY, **kw)
 
   return Case(label, run, lower, {"method": "autoregressive", "drafter": None, "gamma": None,
@@ -226,7 +226,7 @@ def spec_case(model, params, spec_drafter, draft_params, *, gamma: int, max_new_
   def lower(tokens, lengths):
     program, args = prepare(model, spec_drafter, tokens, lengths, sampling=GREEDY, eos_id=None,
                             key=None, budgets_B=None, pad_id=0, **kw)
-    return _speculative_jit.lower(program, params, draft_params, *args)
+    return speculative_jit.lower(program, params, draft_params, *args)
 
   return Case(label, run, lower, {"method": "speculative", "gamma": gamma, **info})
 
@@ -1196,8 +1196,8 @@ def main(argv=None) -> int:
       sum(r.get("recompilations") or 0 for r in rows) +
       sum(g.get("recompilations_timed", 0) for s in results["scenarios"].values()
           for g in s.get("groups", [])))
-  results["compile_counts"] = {"generate_jit": _generate_jit._cache_size(),
-                               "speculative_jit": _speculative_jit._cache_size()}
+  results["compile_counts"] = {"generate_jit": generate_jit._cache_size(),
+                               "speculative_jit": speculative_jit._cache_size()}
   results["load_average_end"] = list(os.getloadavg())
   results["wall_s"] = time.perf_counter() - start
   path = json_path_of(args.out)

@@ -184,7 +184,7 @@ class _ARState:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_len", "sampling"))
-def _generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_id, pad_id, key, *,
+def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_id, pad_id, key, *,
                   max_new_tokens: int, cache_len: int, sampling: SamplingConfig):
   seq_BS = initial_buffer(tokens_BP, cache_len)
   last_logits_BV, _, cache = prefill(model, params, tokens_BP, lengths_B, cache_len)
@@ -236,7 +236,7 @@ def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max
       cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id)
-  out, cache = _generate_jit(model, params, tokens, lengths, budgets, jnp.int32(eos),
+  out, cache = generate_jit(model, params, tokens, lengths, budgets, jnp.int32(eos),
                              jnp.int32(pad_id), key, max_new_tokens=int(max_new_tokens),
                              cache_len=cache_len, sampling=sampling)
   return (out, cache) if return_cache else out

@@ -27,10 +27,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from spec_jax.drafters.draft_model import DraftModelDrafter
-from spec_jax.generate import _generate_jit, budgets_array, check_generation_args, key_and_eos
+from spec_jax.generate import generate_jit, budgets_array, check_generation_args, key_and_eos
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.core.sampling import SamplingConfig
-from spec_jax.speculative import SpeculativeProgram, _speculative_jit, prepare
+from spec_jax.speculative import SpeculativeProgram, speculative_jit, prepare
 from spec_jax.verify import verify
 
 DATA, MODEL = "data", "model"
@@ -401,7 +401,7 @@ def _ar_program(model: ShardedModel, batch: int, key_impl, max_new_tokens: int, 
                 sampling: SamplingConfig):
   def run(params, tokens_BP, lengths_B, budget_B, eos, pad, key_data):
     key = jax.random.wrap_key_data(key_data, impl=key_impl)
-    return _generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos, pad, key,
+    return generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos, pad, key,
                          max_new_tokens=max_new_tokens, cache_len=cache_len, sampling=sampling)
   return jax.jit(run, out_shardings=_out_shardings(model, batch, cache_len))
 
@@ -410,7 +410,7 @@ def _ar_program(model: ShardedModel, batch: int, key_impl, max_new_tokens: int, 
 def _spec_program(program: SpeculativeProgram, batch: int, key_impl):
   def run(params, draft_params, tokens_BP, lengths_B, budget_B, eos, pad, key_data):
     key = jax.random.wrap_key_data(key_data, impl=key_impl)
-    return _speculative_jit(program, params, draft_params, tokens_BP, lengths_B, budget_B, eos,
+    return speculative_jit(program, params, draft_params, tokens_BP, lengths_B, budget_B, eos,
                             pad, key)
   out, cache = _out_shardings(program.target, batch, program.cache_len)
   return jax.jit(run, out_shardings=(out, cache, None))  # draft state: as the compiler placed it

@@ -121,7 +121,7 @@ class SpeculativeProgram:
   """Everything static about one speculative generation; hashable, so a jit static argument.
 
   `init` (prefill) and `run` (rounds up to a limit) are separate so that streaming can run
-  the loop in chunks of rounds; `_speculative_jit` runs init, run and finish in one jit.
+  the loop in chunks of rounds; `speculative_jit` runs init, run and finish in one jit.
   """
   target: CausalLM
   drafter: Drafter
@@ -163,7 +163,7 @@ class SpeculativeProgram:
 
 
 @functools.partial(jax.jit, static_argnames=("program",))
-def _speculative_jit(program: SpeculativeProgram, params, draft_params, tokens_BP, lengths_B,
+def speculative_jit(program: SpeculativeProgram, params, draft_params, tokens_BP, lengths_B,
                      budget_B, eos_id, pad_id, key):
   state = program.init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
   state = program.run(params, draft_params, lengths_B, budget_B, eos_id, state,
@@ -205,5 +205,5 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
                           max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                           key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                           verifier=verifier)
-  out, cache, draft_state = _speculative_jit(program, params, draft_params, *args)
+  out, cache, draft_state = speculative_jit(program, params, draft_params, *args)
   return (out, cache, draft_state) if return_state else out

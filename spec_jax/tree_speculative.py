@@ -24,7 +24,7 @@ from spec_jax.drafters.base import DraftContext, TreeDrafter
 from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
 from spec_jax.core.sampling import SamplingConfig
-from spec_jax.speculative import SpecState, _speculative_jit, commit_round, prepare
+from spec_jax.speculative import SpecState, speculative_jit, commit_round, prepare
 from spec_jax.tree_verify import verify_tree
 
 
@@ -96,7 +96,7 @@ def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, dr
                                max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                                key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                                verifier=verifier)
-  out, cache, draft_state = _speculative_jit(program, params, draft_params, *args)
+  out, cache, draft_state = speculative_jit(program, params, draft_params, *args)
   return (out, cache, draft_state) if return_state else out
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import REFERENCE_DIR, REFERENCE_STEM, require_shared, tiny_llama
-from spec_jax.generate import _generate_jit, generate, pad_prompts
+from spec_jax.generate import generate_jit, generate, pad_prompts
 from spec_jax.core.sampling import SamplingConfig
 
 LOGITS_ATOL = 1e-4  # the reference C implementation's float32 logits
@@ -65,10 +65,10 @@ def test_batch_rows_equal_prompts_alone(stories, story_prompts):
 def test_new_prompt_of_same_padded_shape_does_not_recompile():
   model, params = tiny_llama(vocab_size=48, seed=1)
   generate(model, params, *pad_prompts([[1, 2, 3], [4, 5]], width=8), max_new_tokens=6)
-  compiled = _generate_jit._cache_size()
+  compiled = generate_jit._cache_size()
   out = generate(model, params, *pad_prompts([[7, 8], [9, 10, 11, 12, 13]], width=8),
                  max_new_tokens=6, eos_id=3)
-  assert _generate_jit._cache_size() == compiled
+  assert generate_jit._cache_size() == compiled
   assert out.tokens.shape == (2, 6)
 
 

@@ -15,7 +15,7 @@ from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
 from spec_jax.core.sampling import SamplingConfig, sample_from_probs, warped_probs
-from spec_jax.speculative import _speculative_jit, prepare, speculative_generate
+from spec_jax.speculative import speculative_jit, prepare, speculative_generate
 from spec_jax.streaming import speculative_chunks
 from spec_jax.verify import verify
 
@@ -114,15 +114,15 @@ def test_one_compilation_and_no_host_callbacks():
   args = dict(gamma=3, max_new_tokens=8)
   speculative_generate(model, params, drafter, params, *pad_prompts([[1, 2, 3], [4]], width=6),
                        **args)
-  compiled = _speculative_jit._cache_size()
+  compiled = speculative_jit._cache_size()
   speculative_generate(model, params, drafter, params,
                        *pad_prompts([[9, 8], [7, 6, 5, 4, 3]], width=6), eos_id=2, **args)
-  assert _speculative_jit._cache_size() == compiled
+  assert speculative_jit._cache_size() == compiled
   program, arrays = prepare(model, drafter, *pad_prompts([[1, 2, 3]], width=6), gamma=3,
                             max_new_tokens=8, sampling=SamplingConfig(1.0), eos_id=None,
                             key=jax.random.key(0), budgets_B=None, pad_id=0, cache_len=None,
                             verifier=verify)
-  hlo = _speculative_jit.lower(program, params, params, *arrays).as_text()
+  hlo = speculative_jit.lower(program, params, params, *arrays).as_text()
   assert "while" in hlo
   assert "callback" not in hlo.lower() and "outfeed" not in hlo.lower()
 

@@ -22,7 +22,7 @@ from spec_jax.generate import generate, pad_prompts
 from spec_jax.core.kv_cache import KVCache, tree_mask
 from spec_jax.metrics import summarize
 from spec_jax.core.sampling import SamplingConfig, sample_from_probs, warped_probs
-from spec_jax.speculative import _speculative_jit
+from spec_jax.speculative import speculative_jit
 from spec_jax.tree import (TokenTree, ancestor_mask, grow_dynamic_tree, static_tree,
                            tokens_from_topk)
 from spec_jax.tree_speculative import compact_path, tree_speculative_generate
@@ -446,9 +446,9 @@ def test_one_compilation_and_bad_drafter(stories, story_prompts):
       model, params, drafter, params, *pad_prompts(prompts, width=12), max_new_tokens=NEW,
       eos_id=eos)
   run(story_prompts, 1)  # the program of test_greedy_identity_stories260k[static-*]
-  compiled = _speculative_jit._cache_size()
+  compiled = speculative_jit._cache_size()
   run(story_prompts[::-1], 2)
-  assert _speculative_jit._cache_size() == compiled
+  assert speculative_jit._cache_size() == compiled
   with pytest.raises(TypeError, match="TreeDrafter"):
     tree_speculative_generate(model, params, DraftModelDrafter(model), params,
                               *pad_prompts([[1, 2]]), max_new_tokens=4)
