@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_names, path_to_name
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.models.params_io import CheckpointError, flat_names, path_to_name
+from spec_jax.models.params_io import CheckpointError, flat_names, is_quantized
 
 FORMAT = "spec_jax-native"
 VERSION = 1
@@ -53,21 +54,11 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
   return tree
 
 
-def _flatten(tree) -> dict[str, Any]:
-  return {path_to_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
 def _flat_params(model: LlamaModel, params) -> dict[str, jax.Array]:
-  flat = _flatten(params)
-  expected = flat_names(model)
-  if set(flat) != set(expected):
-    raise ValueError("save_native: params do not match the model (quantized params must be "
-                     f"dequantized first): missing {sorted(set(expected) - set(flat))[:8]}, "
-                     f"unexpected {sorted(set(flat) - set(expected))[:8]}")
-  for name, abstract in expected.items():
-    if tuple(flat[name].shape) != tuple(abstract.shape):
-      raise ValueError(f"save_native: parameter {name} has shape {tuple(flat[name].shape)}, "
-                       f"the config implies {tuple(abstract.shape)}")
+  flat = flatten_with_names(params)
+  if is_quantized(flat):
+    raise ValueError("save_native: params are int8-quantized; dequantize them first")
+  check_names_and_shapes(flat_names(model), flat, source="save_native")
   return flat
 
 
@@ -128,7 +119,7 @@ def _saved_shapes(params_dir: str) -> dict[str, tuple[int, ...]]:
       meta = ckptr.metadata(params_dir)
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
-    shapes = {name: tuple(m.shape) for name, m in _flatten(tree).items()}
+    shapes = {name: tuple(m.shape) for name, m in flatten_with_names(tree).items()}
   except Exception as e:  # orbax raises assorted types for damaged checkpoints
     raise CheckpointError(f"{params_dir}: unreadable orbax metadata, missing or corrupt "
                           f"checkpoint ({type(e).__name__}: {_brief(e)})") from e
@@ -138,16 +129,8 @@ def _saved_shapes(params_dir: str) -> dict[str, tuple[int, ...]]:
 
 
 def _check_shapes(model: LlamaModel, saved: dict[str, tuple[int, ...]], source: str) -> None:
-  expected = flat_names(model)
-  missing = sorted(set(expected) - set(saved))
-  extra = sorted(set(saved) - set(expected))
-  if missing or extra:
-    raise CheckpointError(f"{source}: saved parameters do not match config.json: missing "
-                          f"{missing[:8]}, unexpected {extra[:8]}")
-  for name, abstract in expected.items():
-    if saved[name] != tuple(abstract.shape):
-      raise CheckpointError(f"{source}: parameter {name} was saved with shape {saved[name]}, "
-                            f"config.json implies {tuple(abstract.shape)}")
+  check_names_and_shapes(flat_names(model), saved, source=source, error=CheckpointError,
+                         expected_by="config.json")
 
 
 def _shardings(abstract: dict[str, jax.ShapeDtypeStruct], sharding: ShardingSpec | None):
@@ -192,7 +175,7 @@ def load_native(folder: str, *, dtype: str | None = None,
                   for name, leaf in abstract.items()})
   try:
     with ocp.StandardCheckpointer() as ckptr:
-      restored = _flatten(ckptr.restore(params_dir, target))
+      restored = flatten_with_names(ckptr.restore(params_dir, target))
   except Exception as e:  # orbax raises assorted types for damaged checkpoints
     raise CheckpointError(f"{params_dir}: failed to restore params, corrupt checkpoint? "
                           f"({type(e).__name__}: {_brief(e)})") from e

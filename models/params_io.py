@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_names, path_to_name
 from spec_jax.models.llama import LAYOUTS, LlamaModel
 
 
@@ -20,40 +21,23 @@ class CheckpointError(ValueError):
   """A checkpoint file is truncated, malformed, inconsistent or unsupported."""
 
 
-def path_to_name(path) -> str:
-  parts = []
-  for k in path:
-    k = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-    if k == "value":  # the Variable's own value field
-      continue
-    parts.append(str(k))
-  return ".".join(parts)
-
-
 def flat_names(model: LlamaModel) -> dict[str, jax.ShapeDtypeStruct]:
   """{name: abstract array} for every parameter of the model."""
-  abstract = model.abstract_params()
-  leaves = jax.tree_util.tree_leaves_with_path(abstract)
-  return {path_to_name(p): leaf for p, leaf in leaves}
+  return flatten_with_names(model.abstract_params())
 
 
 def params_to_flat(params) -> dict[str, np.ndarray]:
-  return {path_to_name(p): np.asarray(leaf)
-          for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+  return {name: np.asarray(leaf) for name, leaf in flatten_with_names(params).items()}
+
+
+def is_quantized(flat: dict) -> bool:
+  """True when flat params hold int8 leaves (spec_jax.core.quantize's QuantizedArray fields)."""
+  return any(name.endswith((".values_IO", ".scale_O", ".values_OI")) for name in flat)
 
 
 def params_from_flat(model: LlamaModel, flat: dict[str, np.ndarray], *, source: str = "checkpoint"):
   """Builds the model's params pytree from `flat`; every name must be present with its shape."""
-  expected = flat_names(model)
-  missing = sorted(set(expected) - set(flat))
-  extra = sorted(set(flat) - set(expected))
-  if missing or extra:
-    raise CheckpointError(f"{source}: parameters do not match the model: missing {missing[:8]}"
-                          f"{' ...' if len(missing) > 8 else ''}, unexpected {extra[:8]}")
-  for name, abstract in expected.items():
-    if tuple(flat[name].shape) != tuple(abstract.shape):
-      raise CheckpointError(f"{source}: parameter {name} has shape {tuple(flat[name].shape)}, "
-                            f"the model expects {tuple(abstract.shape)}")
+  check_names_and_shapes(flat_names(model), flat, source=source, error=CheckpointError)
   abstract_state = model.abstract_params()
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
   dtype = model.config.jnp_dtype
@@ -91,8 +75,8 @@ def to_layout(model: LlamaModel, params, layout: str) -> tuple[LlamaModel, nnx.S
     raise ValueError(f"unknown layout {layout!r}; choose from {sorted(LAYOUTS)}")
   if model.config.layout == LAYOUTS[layout]:
     return model, params
-  flat = {path_to_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
-  if any(name.endswith((".values_IO", ".scale_O", ".values_OI")) for name in flat):
+  flat = flatten_with_names(params)
+  if is_quantized(flat):
     raise ValueError("to_layout: params are int8-quantized; convert, then quantize")
   flat = _checkpoint_flat(model, flat)
   new_model = dataclasses.replace(

@@ -29,6 +29,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.generate import generate_jit, budgets_array, check_generation_args, key_and_eos
 from spec_jax.core.kv_cache import KVCache
+from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_names, path_to_name
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.speculative import SpeculativeProgram, speculative_jit, prepare
 from spec_jax.verify import verify
@@ -62,7 +63,7 @@ class ShardingRules:
 DEFAULT_RULES = ShardingRules()  # target: tensor-parallel over `model`, batch over `data`
 DRAFT_RULES = ShardingRules(q_heads=None, kv_heads=None, mlp=None, vocab=None)  # replicated
 
-# Parameter name (see spec_jax.models.params_io.path_to_name) -> logical axes of its dimensions.
+# Parameter name (see spec_jax.core.pytree_names.path_to_name) -> logical axes of its dimensions.
 # Kernels are [in, out]. Fused head dims [heads * head_dim] are named by their heads.
 PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"embed", ("vocab", "embed")),
@@ -169,15 +170,6 @@ def param_logical_axes(name: str) -> tuple[str, ...]:
                    "spec_jax.sharding.PARAM_AXES")
 
 
-def _leaf_name(path) -> str:
-  parts = []
-  for k in path:
-    k = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-    if k != "value":  # an nnx.Variable's own value field (as spec_jax.models.params_io.path_to_name)
-      parts.append(str(k))
-  return ".".join(parts)
-
-
 def param_spec(name: str, shape: Sequence[int], mesh, rules: ShardingRules = DEFAULT_RULES, *,
                head_dim: int | None = None) -> P:
   """PartitionSpec of one parameter leaf; fused [heads * head_dim] dims shard whole heads."""
@@ -202,7 +194,7 @@ def param_specs(params, mesh, rules: ShardingRules = DEFAULT_RULES, *,
                 head_dim: int | None = None):
   """A pytree like `params` with the PartitionSpec of every leaf (validated)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: param_spec(_leaf_name(path), leaf.shape, mesh, rules,
+      lambda path, leaf: param_spec(path_to_name(path), leaf.shape, mesh, rules,
                                     head_dim=head_dim), params)
 
 
@@ -246,7 +238,7 @@ def sharding_for_checkpoint(model, mesh: Mesh, rules: ShardingRules = DEFAULT_RU
   """
   tree: dict[str, Any] = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(model.abstract_params()):
-    name = _leaf_name(path)
+    name = path_to_name(path)
     *parents, last = name.split(".")
     node = tree
     for p in parents:
@@ -270,21 +262,10 @@ def load_sharded(folder: str, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, 
   return load_native(folder, dtype=dtype, sharding=sharding_for_checkpoint(model, mesh, rules))
 
 
-def _shapes(model) -> dict[str, tuple[int, ...]]:
-  return {_leaf_name(p): tuple(leaf.shape)
-          for p, leaf in jax.tree_util.tree_leaves_with_path(model.abstract_params())}
-
-
 def _check_same_shapes(found, expected, source: str) -> None:
-  have, want = _shapes(found), _shapes(expected)
-  if set(have) != set(want):
-    raise ValueError(f"checkpoint {source} does not match the model: missing "
-                     f"{sorted(set(want) - set(have))[:8]}, unexpected "
-                     f"{sorted(set(have) - set(want))[:8]}")
-  for name, shape in want.items():
-    if have[name] != shape:
-      raise ValueError(f"checkpoint {source} does not match the model: parameter {name} has "
-                       f"shape {have[name]}, the model expects {shape}")
+  check_names_and_shapes(flatten_with_names(expected.abstract_params()),
+                         flatten_with_names(found.abstract_params()),
+                         source=f"checkpoint {source}")
 
 
 # --- caches and batch ---------------------------------------------------------------------
@@ -363,7 +344,7 @@ def _check_on_mesh(tree, mesh: Mesh, what: str) -> None:
   devices = set(mesh.devices.flat)
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if not isinstance(leaf, jax.Array) or set(leaf.sharding.device_set) != devices:
-      raise ValueError(f"{what} {_leaf_name(path)} is not placed on the mesh; use shard_params "
+      raise ValueError(f"{what} {path_to_name(path)} is not placed on the mesh; use shard_params "
                        "or replicate first")
 
 

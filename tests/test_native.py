@@ -185,8 +185,8 @@ def test_wrong_shape_params(tmp_path):
   config["hidden_dim"] = 40
   config_path.write_text(json.dumps(config))
   with pytest.raises(CheckpointError,
-                     match=r"parameter layers\.0\.mlp\.w_\w+\.kernel was saved with shape "
-                           r"\((48, 32|32, 48)\), config.json implies \((40, 32|32, 40)\)"):
+                     match=r"parameter layers\.0\.mlp\.w_\w+\.kernel has shape "
+                           r"\((48, 32|32, 48)\), config\.json expects \((40, 32|32, 40)\)"):
     load_native(str(tmp_path))
 
 
