@@ -134,15 +134,18 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split layout: dims (i, i + D/2) rotate together by pos * freq_i."""
-  half = x_BTHD.shape[-1] // 2
-  freq_F = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x_BTHD.shape[-1]))
+def apply_rope(x_BTHE: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, half-split layout: dims (i, i + E/2) rotate together by pos * freq_i.
+
+  x is [B, T, heads, E]: the query heads (H) or the KV heads (K).
+  """
+  half = x_BTHE.shape[-1] // 2
+  freq_F = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x_BTHE.shape[-1]))
   angle_BTF = positions_BT.astype(jnp.float32)[..., None] * freq_F
   cos, sin = jnp.cos(angle_BTF)[:, :, None, :], jnp.sin(angle_BTF)[:, :, None, :]
-  x1, x2 = x_BTHD[..., :half].astype(jnp.float32), x_BTHD[..., half:].astype(jnp.float32)
+  x1, x2 = x_BTHE[..., :half].astype(jnp.float32), x_BTHE[..., half:].astype(jnp.float32)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BTHD.dtype)
+  return out.astype(x_BTHE.dtype)
 
 
 class Attention(nnx.Module):
@@ -161,35 +164,35 @@ class Attention(nnx.Module):
     self.wo = Linear(q_out, d, use_bias=False, **kw)
 
   def project_qkv(self, x_BTD):
-    """-> (q [B,T,H*Dh], k [B,T,K*Dh], v [B,T,K*Dh]), from one fused matmul or three."""
+    """-> (q [B,T,H*E], k [B,T,K*E], v [B,T,K*E]), from one fused matmul or three."""
     if not hasattr(self, "wqkv"):
       return self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
     q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
     qkv = self.wqkv(x_BTD)
     return qkv[..., :q_out], qkv[..., q_out:q_out + kv_out], qkv[..., q_out + kv_out:]
 
-  def __call__(self, x_BTD, positions_BT, k_LBKSH, v_LBKHS, layer: int, slots_BT, mask_BTS):
+  def __call__(self, x_BTD, positions_BT, k_LBKSE, v_LBKES, layer: int, slots_BT, mask_BTS):
     """Writes this layer's new K/V into the stacked caches (in place under jit) and attends.
 
     The caches are head-major (kv_cache.py): both dots read them as stored, no transpose.
     """
     B, T, _ = x_BTD.shape
-    K, G, Dh = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+    K, Q, E = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     q, k, v = self.project_qkv(x_BTD)
-    q_BTHD = apply_rope(q.reshape(B, T, K * G, Dh), positions_BT, self.rope_theta)
-    k_BTKD = apply_rope(k.reshape(B, T, K, Dh), positions_BT, self.rope_theta)
-    v_BTKD = v.reshape(B, T, K, Dh)
-    k_LBKSH = write_rows(k_LBKSH, slots_BT, k_BTKD, layer, slot_axis=K_SLOT_AXIS)
-    v_LBKHS = write_rows(v_LBKHS, slots_BT, v_BTKD, layer, slot_axis=V_SLOT_AXIS)
-    k_cache_BKSD, v_cache_BKDS = k_LBKSH[layer], v_LBKHS[layer]
-    # query head h reads KV head h // G (grouped-query attention)
-    q_BTKGD = q_BTHD.reshape(B, T, K, G, Dh)
-    scores_BKGTS = jnp.einsum("btkgd,bksd->bkgts", q_BTKGD, k_cache_BKSD,
-                              preferred_element_type=jnp.float32) * (Dh ** -0.5)
-    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_cache_BKDS.dtype)
-    out_BTKGD = jnp.einsum("bkgts,bkds->btkgd", probs_BKGTS, v_cache_BKDS)
-    return self.wo(out_BTKGD.reshape(B, T, K * G * Dh)), k_LBKSH, v_LBKHS
+    q_BTHE = apply_rope(q.reshape(B, T, K * Q, E), positions_BT, self.rope_theta)
+    k_BTKE = apply_rope(k.reshape(B, T, K, E), positions_BT, self.rope_theta)
+    v_BTKE = v.reshape(B, T, K, E)
+    k_LBKSE = write_rows(k_LBKSE, slots_BT, k_BTKE, layer, slot_axis=K_SLOT_AXIS)
+    v_LBKES = write_rows(v_LBKES, slots_BT, v_BTKE, layer, slot_axis=V_SLOT_AXIS)
+    k_cache_BKSE, v_cache_BKES = k_LBKSE[layer], v_LBKES[layer]
+    # query head h reads KV head h // Q (grouped-query attention)
+    q_BTKQE = q_BTHE.reshape(B, T, K, Q, E)
+    scores_BKQTS = jnp.einsum("btkqe,bkse->bkqts", q_BTKQE, k_cache_BKSE,
+                              preferred_element_type=jnp.float32) * (E ** -0.5)
+    scores_BKQTS = jnp.where(mask_BTS[:, None, None], scores_BKQTS, jnp.finfo(jnp.float32).min)
+    probs_BKQTS = jax.nn.softmax(scores_BKQTS, axis=-1).astype(v_cache_BKES.dtype)
+    out_BTKQE = jnp.einsum("bkqts,bkes->btkqe", probs_BKQTS, v_cache_BKES)
+    return self.wo(out_BTKQE.reshape(B, T, K * Q * E)), k_LBKSE, v_LBKES
 
 
 class MLP(nnx.Module):
@@ -250,13 +253,13 @@ class Llama(nnx.Module):
   def __call__(self, tokens_BT, positions_BT, cache: KVCache, slots_BT, mask_BTS,
                num_layers: int | None = None):
     x_BTD = self.embed_tokens(tokens_BT)
-    k_LBKSH, v_LBKHS = cache.k_LBKSH, cache.v_LBKHS
+    k_LBKSE, v_LBKES = cache.k_LBKSE, cache.v_LBKES
     used = len(self.layers) if num_layers is None else num_layers
     for i, layer in enumerate(self.layers[:used]):
-      x_BTD, k_LBKSH, v_LBKHS = layer(x_BTD, positions_BT, k_LBKSH, v_LBKHS, i, slots_BT,
+      x_BTD, k_LBKSE, v_LBKES = layer(x_BTD, positions_BT, k_LBKSE, v_LBKES, i, slots_BT,
                                       mask_BTS)
     hidden_BTD = self.final_norm(x_BTD)
-    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBKSH=k_LBKSH, v_LBKHS=v_LBKHS)
+    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBKSE=k_LBKSE, v_LBKES=v_LBKES)
 
 
 @functools.lru_cache(maxsize=None)

@@ -278,11 +278,11 @@ def batch_spec(shape: Sequence[int], mesh, rules: ShardingRules = DEFAULT_RULES)
 def cache_shardings(cache: KVCache, mesh, rules: ShardingRules = DEFAULT_RULES) -> KVCache:
   """KVCache of NamedShardings: batch over data, KV heads over model, slots unsharded.
 
-  k is [L, B, KVH, S, Dh] and v [L, B, KVH, Dh, S] (kv_cache.py's head-major layouts).
+  k is [L, B, K, S, E] and v [L, B, K, E, S] (kv_cache.py's head-major layouts).
   """
-  k = _spec(rules, (None, "batch", "kv_heads", None, "head_dim"), cache.k_LBKSH.shape, mesh,
+  k = _spec(rules, (None, "batch", "kv_heads", None, "head_dim"), cache.k_LBKSE.shape, mesh,
             "KV cache (K)")
-  v = _spec(rules, (None, "batch", "kv_heads", "head_dim", None), cache.v_LBKHS.shape, mesh,
+  v = _spec(rules, (None, "batch", "kv_heads", "head_dim", None), cache.v_LBKES.shape, mesh,
             "KV cache (V)")
   length = batch_spec(cache.length_B.shape, mesh, rules)
   return KVCache(NamedSharding(mesh, k), NamedSharding(mesh, v), NamedSharding(mesh, length))

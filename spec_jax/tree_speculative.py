@@ -41,14 +41,14 @@ def compact_path(cache: KVCache, start_B: jax.Array, path_BD1: jax.Array) -> KVC
   def mover(slot_axis: int):
     lead = (slice(None),) * (slot_axis - 1)  # a row drops the batch axis: slots one earlier
 
-    def move_row(kv, src_D1, dst_D1):  # kv: one row, k [L, K, S, H] or v [L, K, H, S]
+    def move_row(kv, src_D1, dst_D1):  # kv: one row, k [L, K, S, E] or v [L, K, E, S]
       return kv.at[lead + (dst_D1,)].set(kv[lead + (src_D1,)], mode="drop")
 
     # vmap over rows: local to each shard when the batch is sharded
     return jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
 
-  return cache.replace(k_LBKSH=mover(K_SLOT_AXIS)(cache.k_LBKSH, src_BD1, dst_BD1),
-                       v_LBKHS=mover(V_SLOT_AXIS)(cache.v_LBKHS, src_BD1, dst_BD1))
+  return cache.replace(k_LBKSE=mover(K_SLOT_AXIS)(cache.k_LBKSE, src_BD1, dst_BD1),
+                       v_LBKES=mover(V_SLOT_AXIS)(cache.v_LBKES, src_BD1, dst_BD1))
 
 
 def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,

@@ -159,7 +159,7 @@ EXPECTED_PARAMS = {
     },
 }
 # batch 8, cache_len 8 + 8 new + gamma 3 + 1 = 20 slots, 4 KV heads of 8, one layer;
-# spec (the same for k and v), k shard [L, B, KVH, S, Dh], v shard [L, B, KVH, Dh, S]
+# spec (the same for k and v), k shard [L, B, K, S, E], v shard [L, B, K, E, S]
 EXPECTED_CACHE = {
     "1x8": ([None, "data", None, None, None], [1, 8, 4, 20, 8], [1, 8, 4, 8, 20]),
     "2x4": ([None, "data", "model", None, None], [1, 4, 1, 20, 8], [1, 4, 1, 8, 20]),

@@ -30,10 +30,10 @@ def assert_cache_prefix_close(cache, fresh, row: int, length: int, msg: str, lay
   """cache's first `length` slots of `row` (in its first `layers` layers) equal fresh's,
   within CACHE_TOL, for K ([L,B,K,S,H]) and V ([L,B,K,H,S])."""
   ls = slice(layers)
-  np.testing.assert_allclose(cache.k_LBKSH[ls, row, :, :length], fresh.k_LBKSH[ls, row, :, :length],
+  np.testing.assert_allclose(cache.k_LBKSE[ls, row, :, :length], fresh.k_LBKSE[ls, row, :, :length],
                              err_msg=msg, **CACHE_TOL)
-  np.testing.assert_allclose(cache.v_LBKHS[ls, row, ..., :length],
-                             fresh.v_LBKHS[ls, row, ..., :length], err_msg=msg, **CACHE_TOL)
+  np.testing.assert_allclose(cache.v_LBKES[ls, row, ..., :length],
+                             fresh.v_LBKES[ls, row, ..., :length], err_msg=msg, **CACHE_TOL)
 
 
 @pytest.fixture(scope="module")

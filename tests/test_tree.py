@@ -342,12 +342,12 @@ def test_compact_path_moves_the_path_to_consecutive_slots():
   for b in range(3):
     s = int(start[b])
     for d in range(4):
-      np.testing.assert_array_equal(out.k_LBKSH[:, b, :, s + d], k[:, b, :, s + int(path[b, d])])
-      np.testing.assert_array_equal(out.v_LBKHS[:, b, ..., s + d],
+      np.testing.assert_array_equal(out.k_LBKSE[:, b, :, s + d], k[:, b, :, s + int(path[b, d])])
+      np.testing.assert_array_equal(out.v_LBKES[:, b, ..., s + d],
                                     -k[:, b, :, s + int(path[b, d])])
     outside = np.r_[0:s, s + 4:20]
-    np.testing.assert_array_equal(out.k_LBKSH[:, b, :, outside], k[:, b, :, outside])
-    np.testing.assert_array_equal(out.v_LBKHS[:, b, ..., outside], -k[:, b, :, outside])
+    np.testing.assert_array_equal(out.k_LBKSE[:, b, :, outside], k[:, b, :, outside])
+    np.testing.assert_array_equal(out.v_LBKES[:, b, ..., outside], -k[:, b, :, outside])
 
 
 def _check_caches_match_prefill(model, params, draft_params, out, cache, draft_state, lengths_B,

@@ -18,23 +18,23 @@ import jax.numpy as jnp
 from flax import struct
 
 
-K_SLOT_AXIS = 3  # slots in k_LBKSH
-V_SLOT_AXIS = 4  # slots in v_LBKHS
+K_SLOT_AXIS = 3  # slots in k_LBKSE
+V_SLOT_AXIS = 4  # slots in v_LBKES
 
 
 @struct.dataclass
 class KVCache:
-  k_LBKSH: jax.Array  # [layers, batch, kv_heads, slots, head_dim]
-  v_LBKHS: jax.Array  # [layers, batch, kv_heads, head_dim, slots]
+  k_LBKSE: jax.Array  # [layers, batch, kv_heads, slots, head_dim]
+  v_LBKES: jax.Array  # [layers, batch, kv_heads, head_dim, slots]
   length_B: jax.Array  # [batch] int32: number of valid slots per row
 
   @property
   def max_len(self) -> int:
-    return self.k_LBKSH.shape[K_SLOT_AXIS]
+    return self.k_LBKSE.shape[K_SLOT_AXIS]
 
   @property
   def batch_size(self) -> int:
-    return self.k_LBKSH.shape[1]
+    return self.k_LBKSE.shape[1]
 
   @classmethod
   def zeros(cls, *, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
@@ -48,11 +48,11 @@ class KVCache:
     return self.replace(length_B=jnp.asarray(length_B, jnp.int32))
 
 
-def write_rows(cache: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Array, layer: int,
+def write_rows(cache: jax.Array, slots_BT: jax.Array, values_BTKE: jax.Array, layer: int,
                *, slot_axis: int) -> jax.Array:
   """Writes T new tokens' K or V into one layer at per-row slots; slots outside are dropped.
 
-  `cache` is k_LBKSH (slot_axis=K_SLOT_AXIS) or v_LBKHS (slot_axis=V_SLOT_AXIS); for each
+  `cache` is k_LBKSE (slot_axis=K_SLOT_AXIS) or v_LBKES (slot_axis=V_SLOT_AXIS); for each
   row b and token t, values[b, t] ([kv_heads, head_dim]) lands at slot slots[b, t] of
   cache[layer, b]. One scatter into the stacked buffer, so under jit (and in a loop carry)
   it updates in place instead of copying the whole cache every step.
@@ -65,7 +65,7 @@ def write_rows(cache: jax.Array, slots_BT: jax.Array, values_BTKH: jax.Array, la
   # The integer indices are not adjacent (kv_heads lies between batch and slots), so by
   # NumPy's rule their broadcast dims [B, T] lead the indexed shape and the sliced dims
   # follow in order: [B, T, kv_heads, head_dim] for both layouts.
-  return cache.at[tuple(index)].set(values_BTKH.astype(cache.dtype), mode="drop")
+  return cache.at[tuple(index)].set(values_BTKE.astype(cache.dtype), mode="drop")
 
 
 def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:
