@@ -1,18 +1,15 @@
-"""Shared fixtures: the real stories260K model from ../shared, and small random models."""
+"""Shared fixtures: the real stories260K model from ../shared. The small random models and the
+paths live in spec_jax.testing (scripts use them too); re-exported here for the test modules."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-STORIES_DIR = SHARED / "models" / "stories260K"
-REFERENCE_DIR = SHARED / "reference"
-REFERENCE_STEM = "stories260K_greedy_once_upon_a_time_n200"
+from spec_jax.testing import (  # noqa: F401  re-exported for the test modules
+    REFERENCE_DIR, REFERENCE_STEM, REPO, SHARED, STORIES_DIR, perturbed, tiny_llama)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,21 +45,3 @@ def story_prompts(reference_tokens) -> list[list[int]]:
   """A batch of prompts of different lengths (BOS first), from the reference and elsewhere."""
   return [reference_tokens[:5], [1, 403, 407], reference_tokens[:11], [1, 300, 263, 400, 271],
           [1, 413, 409, 416, 327, 263, 415, 294]]
-
-
-def tiny_llama(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
-               seed=0, **kw):
-  from spec_jax.models.llama import LlamaConfig, LlamaModel
-  model = LlamaModel(LlamaConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers,
-                                 n_heads=n_heads, n_kv_heads=n_kv_heads, hidden_dim=hidden_dim,
-                                 max_seq_len=kw.pop("max_seq_len", 256), **kw))
-  return model, model.init_params(jax.random.key(seed))
-
-
-def perturbed(params, scale: float, seed: int = 0):
-  """A noisy copy of params: a draft that agrees with its target only part of the time."""
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [
-      leaf + scale * np.std(np.asarray(leaf)) * jax.random.normal(k, leaf.shape, leaf.dtype)
-      for leaf, k in zip(leaves, keys)])

@@ -1,4 +1,5 @@
-"""scripts/benchmark.py --quick end to end, and the synthetic (engine-only) drafter's pieces."""
+"""The benchmark harness (spec_jax.bench), scripts/benchmark.py --quick end to end, and the
+synthetic (engine-only) drafter's pieces."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spec_jax.bench import (CompileCounter, Scenario, random_model, run_scenarios, skipped,
+                            weight_matmuls)
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters.synthetic import (CoinVerifier, expected_tokens_per_round,
                                          predicted_speedup)
-from spec_jax.core.sampling import SamplingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600  # ~60 s on a quiet 2-core machine; far more under many pytest-xdist workers
@@ -149,14 +152,12 @@ def test_predicted_speedup_formula():
 def test_weight_matmuls_are_the_steps_products(layout, tied):
   """The roofline's matmul chain multiplies exactly what a step does: every projection (in
   its layout's orientation) and the head, not the gathered-from embedding table."""
-  sys.path.insert(0, str(REPO / "scripts"))
-  import benchmark
   from spec_jax.models.llama import LAYOUTS
   vocab, dim, hidden, layers = 100, 32, 48, 2
-  model, params = benchmark.random_model(0, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4,
-                                         n_kv_heads=2, hidden_dim=hidden, tie_embeddings=tied,
-                                         **LAYOUTS[layout])
-  matmuls = benchmark.weight_matmuls(model, params)
+  model, params = random_model(0, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=4,
+                               n_kv_heads=2, hidden_dim=hidden, tie_embeddings=tied,
+                               **LAYOUTS[layout])
+  matmuls = weight_matmuls(model, params)
   per_layer = 7 if layout == "checkpoint" else 4
   assert len(matmuls) == layers * per_layer + 1
   assert all(w.shape[k] in (dim, hidden) for w, k in matmuls)  # contracts a token's features
@@ -164,3 +165,78 @@ def test_weight_matmuls_are_the_steps_products(layout, tied):
   embed_bytes = 0 if tied else vocab * dim * 4  # an untied table is only gathered from
   want = sum(x.nbytes for x in jax.tree.leaves(params) if x.ndim == 2) - embed_bytes
   assert sum(w.nbytes for w, _ in matmuls) == want
+
+
+def test_compile_counter_counts_a_compile_not_a_cache_hit():
+  @jax.jit
+  def double_plus_one(x_N):
+    return 2 * x_N + 1
+
+  x3, x4 = jnp.ones(3), jnp.ones(4)  # made outside: eager ops on new shapes compile too
+  with CompileCounter() as counter:
+    double_plus_one(x3).block_until_ready()
+    assert counter.count("double_plus_one") == 1 == counter.count("jit(double_plus_one)")
+    double_plus_one(x3 + 0).block_until_ready()  # same shape: jit's cache
+    assert counter.count("double_plus_one") == 1
+    double_plus_one.lower(x4).compile()  # a new shape, compiled ahead of time
+    double_plus_one(x4).block_until_ready()  # runs that program
+    assert counter.count("double_plus_one") == 2
+    assert counter.by_name()["double_plus_one"] == 2
+  double_plus_one(jnp.ones(5)).block_until_ready()
+  assert counter.count("double_plus_one") == 2  # stopped: no longer listening
+
+
+def test_results_json_is_written_after_each_scenario(tmp_path):
+  """A crash in a later scenario keeps the earlier scenarios' results on disk."""
+  path = tmp_path / "results.json"
+  seen = []
+
+  def first(plan, ctx):
+    ctx["shared"] = 1
+    return {"status": "ok", "rows": [{"label": "a", "method": "autoregressive"}]}
+
+  def second(plan, ctx):
+    seen.append(_strict_json(path.read_text()))  # what was on disk when this one started
+    assert ctx["shared"] == 1
+    raise RuntimeError("boom")
+
+  results = {"scenarios": {}}
+  failed = run_scenarios({"a": Scenario("first", first), "b": Scenario("second", second),
+                          "c": Scenario("third", lambda plan, ctx: skipped("nothing here"))},
+                         None, results, path)
+  assert failed == ["b"]
+  assert list(seen[0]["scenarios"]) == ["a"] and seen[0]["scenarios"]["a"]["name"] == "first"
+  on_disk = _strict_json(path.read_text())["scenarios"]
+  assert [on_disk[k]["status"] for k in "abc"] == ["ok", "error", "skipped"]
+  assert "boom" in on_disk["b"]["note"]
+
+
+def test_benchmark_without_matplotlib_fails_before_computing(tmp_path):
+  code = ("import runpy, sys; sys.modules['matplotlib'] = None; "  # None: import raises
+          f"sys.argv = ['benchmark.py', '--quick', '--out', {str(tmp_path)!r}]; "
+          "runpy.run_path('scripts/benchmark.py', run_name='__main__')")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                        timeout=TIMEOUT_S)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].endswith('pip install -e ".[bench]"'), proc.stderr
+  assert "== scenario" not in proc.stdout and not list(tmp_path.iterdir())
+
+
+def test_a_case_runs_the_program_it_compiled_ahead_of_time():
+  """compile_s times the very program the timed runs use: running a case after compile_case
+  compiles no generation program again (warm-up is not a hidden second compile)."""
+  from spec_jax.bench import ar_case, compile_case, spec_case
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  from spec_jax.generate import pad_prompts
+  from spec_jax.testing import tiny_llama
+  model, params = tiny_llama()
+  tokens, lengths = pad_prompts([[1, 2, 3], [1, 5]], width=8)
+  common = dict(max_new_tokens=4, cache_len=16)
+  for case in (ar_case(model, params, **common),
+               spec_case(model, params, PromptLookupDrafter(3, 1), None, gamma=2, label="lookup",
+                         **common)):
+    with CompileCounter() as counter:
+      compile_case(case, tokens, lengths)
+      compiled = counter.count("generate_jit", "speculative_jit")
+      case.run(tokens, lengths)
+      assert compiled == 1 == counter.count("generate_jit", "speculative_jit"), case.label

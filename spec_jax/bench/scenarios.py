@@ -1,0 +1,472 @@
+"""spec_jax's own benchmark scenarios (scripts/benchmark.py lists and runs them).
+
+  stories260k           stories260K (../shared): autoregressive vs every drafter, batch 1 and 16
+  builtin_pair          the built-in pair on code prompts: draft model (gamma 2..6), prompt lookup
+  synthetic_acceptance  a ~300M random target, synthetic acceptance alpha (LOSSY, engine only):
+                        measured speed-up next to the one predicted from measured step costs
+  versus_hf             against HF transformers (PyTorch, CPU): plain, assistant, prompt lookup
+  step_roofline         streaming the target's weights once vs one autoregressive step
+
+Each is a function (plan, ctx) -> result (see spec_jax.bench.runner); `Plan` holds the sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from spec_jax.generate import pad_prompts
+from spec_jax.models.llama import LAYOUTS
+from spec_jax.models.params_io import to_layout
+from spec_jax.testing import STORIES_DIR
+
+from spec_jax.bench.cases import ar_case, pad_width, prompt_sets, run_group, spec_case
+from spec_jax.bench.random_models import param_bytes, param_count, random_model
+from spec_jax.bench.roofline import (matmul_chain_loop, matmul_count_sweep, matvec_over,
+                                     step_bound, step_loop, tree_sum, weight_matmuls)
+from spec_jax.bench.rows import finish_rows, same_tokens
+from spec_jax.bench.runner import skipped
+from spec_jax.bench.timing import interleaved_medians, log, timed
+
+STORY_TEXTS = [
+    "Once upon a time", "One day, a little girl named Lily", "Tom and his dog",
+    "The sun was shining", "There was a big red ball", "Sam wanted to play", "A little bird",
+    "Mom said", "The cat was sad because", "Ben found a shiny stone", "It was a cold winter day",
+    "The boy saw a big tree", "Anna liked to", "In the park, there was", "The little fish",
+    "Max had a toy car"]
+CODE_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef ", "def quicksort(arr):",
+                "for i in range(10):", 'if __name__ == "__main__":']
+
+
+# ---- settings --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Sizes of every scenario; `QUICK` is the tiny one."""
+  repeats: int = 5
+  compile_workers: int = 1  # >1 compiles in threads: faster, but each compile_s is contended
+  s1_batches: tuple[int, ...] = (1, 16)
+  s1_gammas: tuple[int, ...] = (2, 4, 6)
+  s1_new: int = 128
+  s2_gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
+  s2_prompts: int = 6
+  s2_new: int = 128
+  s3_target: dict = dataclasses.field(default_factory=lambda: dict(
+      vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8, hidden_dim=2816))
+  s3_draft: dict = dataclasses.field(default_factory=lambda: dict(
+      vocab_size=32000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688))
+  s3_dtype: str = "float32"  # bfloat16 on GPU/TPU (bf16 matmuls are slow on CPU)
+  s3_alphas: tuple[float, ...] = (0.6, 0.8, 0.9)
+  s3_gammas: tuple[int, ...] = (2, 4, 6)
+  s3_new: int = 128
+  loop_steps: int = 16
+  # scenario 5's launch sweep: the same bytes (more than a 32 MB L3) as 1..50 chained matmuls
+  sweep_bytes: int = 64 << 20
+  sweep_counts: tuple[int, ...] = (1, 6, 12, 25, 50)
+  s4_models: tuple[str, ...] = ("stories260K-shaped", "20M")
+  s4_gamma: int = 4
+  s4_new: int = 128
+  prompt_width: int = 16
+  layout: str = "fused"  # spec_jax.models.llama.LAYOUTS: how our models' params are laid out
+
+
+QUICK = Plan(
+    repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16, s2_gammas=(3,),
+    s2_prompts=2, s2_new=16,
+    s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
+    s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
+    s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4, sweep_bytes=2 << 20,
+    sweep_counts=(1, 4),
+    s4_models=("stories260K-shaped",), s4_gamma=3, s4_new=16)
+
+# --target-size presets for scenarios 3 and 5 (a few billion parameters is for accelerators)
+TARGET_SIZES = {
+    "300M": dict(vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8,
+                 hidden_dim=2816),
+    "1B": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+               hidden_dim=5632),
+    "3B": dict(vocab_size=32000, dim=3072, n_layers=26, n_heads=24, n_kv_heads=8,
+               hidden_dim=8192),
+}
+
+S4_MODELS = {  # name: (target config, draft config); vocab shared
+    "stories260K-shaped": (dict(vocab_size=512, dim=64, n_layers=5, n_heads=8, n_kv_heads=4,
+                                hidden_dim=172),
+                           dict(vocab_size=512, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                hidden_dim=64)),
+    "20M": (dict(vocab_size=8000, dim=512, n_layers=6, n_heads=8, n_kv_heads=8, hidden_dim=1376),
+            dict(vocab_size=8000, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=344)),
+}
+
+
+def group_kw(plan: Plan, tag: str) -> dict:
+  """run_group's settings from the plan."""
+  return dict(repeats=plan.repeats, workers=plan.compile_workers, tag=tag)
+
+
+def drafter_factory():
+  """spec_jax.drafters.factory.make_drafter, or None with a note if it is missing."""
+  try:
+    from spec_jax.drafters.factory import make_drafter
+  except ImportError as e:
+    log(f"note: spec_jax.drafters.factory unavailable ({e}); only draft_model and prompt_lookup")
+    return None
+  return make_drafter
+
+
+def build_drafter(kind: str, target, params, **opts):
+  """-> (drafter, draft params), or raises ImportError when the drafter's module is missing."""
+  factory = drafter_factory()
+  if factory is not None:
+    return factory(kind, target, params, **opts)
+  if kind == "draft_model":
+    from spec_jax.drafters.draft_model import DraftModelDrafter
+    return DraftModelDrafter(opts["draft_model"]), opts["draft_params"]
+  if kind == "prompt_lookup":
+    from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+    return PromptLookupDrafter(opts.get("max_ngram", 3), opts.get("min_ngram") or 1), None
+  raise ImportError(f"drafter kind {kind!r} needs spec_jax.drafters.factory")
+
+
+# ---- scenario 1: stories260K -----------------------------------------------------------------
+
+def stories_drafters(model, params) -> list[tuple[str, str, dict]]:
+  """(row label, factory kind, options)."""
+  small = random_model(7, max_seq_len=model.max_seq_len, vocab_size=model.vocab_size, dim=32,
+                       n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, **model.config.layout)
+  k = max(1, model.config.n_layers // 2)
+  n = model.config.n_layers
+  return [
+      ("draft model: random 1-layer dim 32", "draft_model",
+       dict(draft_model=small[0], draft_params=small[1])),
+      ("draft model: the target itself (sanity row)", "draft_model",
+       dict(draft_model=model, draft_params=params)),
+      ("prompt lookup (n 3..1)", "prompt_lookup", {}),
+      (f"layer skip k={k}/{n}", "layer_skip", dict(num_layers=k)),
+      ("int8 quantized target", "quantized", {}),
+      (f"combined: lookup (n 3..2) + layer skip k={k}", "lookup+layer_skip", dict(num_layers=k)),
+  ]
+
+
+def stories260k(plan: Plan, ctx: dict) -> dict:
+  path = STORIES_DIR / "stories260K.bin"
+  if not path.exists():
+    return skipped(f"{path} not found (the ../shared folder beside the repository)")
+  from spec_jax.models.llama2c import load_llama2c
+  from spec_jax.models.tokenizer import load_tokenizer
+  model, params = to_layout(*load_llama2c(str(path)), plan.layout)
+  tokenizer = load_tokenizer(str(STORIES_DIR / "tok512.bin"))
+  prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
+  width = pad_width(prompts, plan.prompt_width)
+  cache_len = width + plan.s1_new + max(plan.s1_gammas) + 1
+  drafters, notes = [], []
+  for label, kind, opts in stories_drafters(model, params):
+    try:
+      drafters.append((label, kind) + build_drafter(kind, model, params, **opts))
+    except ImportError as e:
+      notes.append(f"skipped {label}: {e}")
+      log(f"[S1] skipped {label}: {e}")
+  rows, groups = [], []
+  for batch in plan.s1_batches:
+    measured, check = prompt_sets(prompts, batch, width)
+    common = dict(max_new_tokens=plan.s1_new, cache_len=cache_len, batch=batch)
+    cases = [ar_case(model, params, **common)]
+    cases += [spec_case(model, params, d, dp, gamma=g, label=f"{label}, gamma {g}",
+                        drafter=label, kind=kind, **common)
+              for label, kind, d, dp in drafters for g in plan.s1_gammas]
+    records, outs, group = run_group(cases, [measured], [check], **group_kw(plan, f"S1 b{batch}"))
+    rows += finish_rows(records, outs, "autoregressive")
+    groups.append({"batch": batch, **group})
+  return {"status": "ok", "model": "stories260K", "params": param_count(params),
+          "max_new_tokens": plan.s1_new, "prompt_width": width, "cache_len": cache_len,
+          "rows": rows, "groups": groups, "notes": notes}
+
+
+# ---- scenario 2: the built-in pair ------------------------------------------------------------
+
+def builtin_pair(plan: Plan, ctx: dict) -> dict:
+  try:
+    from spec_jax.models.builtin import load_builtin
+  except ImportError as e:
+    return skipped(f"spec_jax.models.builtin is not there yet ({e})")
+  try:
+    target, params, draft, draft_params, tokenizer = load_builtin()
+  except Exception as e:  # noqa: BLE001  e.g. the checkpoint is still being trained
+    return skipped(f"load_builtin() failed: {type(e).__name__}: {e}")
+  target, params = to_layout(target, params, plan.layout)
+  draft, draft_params = to_layout(draft, draft_params, plan.layout)
+  bos = tokenizer.bos_id is not None
+  prompts = [tokenizer.encode(p, add_bos=bos) for p in CODE_PROMPTS[:plan.s2_prompts]]
+  width = pad_width(prompts, plan.prompt_width)
+  pl_gamma = 4 if 4 in plan.s2_gammas else plan.s2_gammas[-1]
+  extra = max(plan.s2_gammas) + 1
+  new = max(1, min(plan.s2_new, target.max_seq_len - width - extra,
+                   draft.max_seq_len - width - extra))
+  cache_len = width + new + extra
+  measure_sets = [pad_prompts([p], width=width) for p in prompts]
+  other = tokenizer.encode("def main():", add_bos=bos)
+  check_sets = [pad_prompts([other], width=width)] if len(other) <= width else []
+  common = dict(max_new_tokens=new, cache_len=cache_len, batch=1)
+  cases = [ar_case(target, params, **common)]
+  drafter, dp = build_drafter("draft_model", target, params, draft_model=draft,
+                              draft_params=draft_params)
+  cases += [spec_case(target, params, drafter, dp, gamma=g, label=f"draft model, gamma {g}",
+                      drafter="draft model (built-in)", kind="draft_model", **common)
+            for g in plan.s2_gammas]
+  notes = []
+  try:
+    pl, pl_params = build_drafter("prompt_lookup", target, params)
+    cases.append(spec_case(target, params, pl, pl_params, gamma=pl_gamma,
+                           label=f"prompt lookup, gamma {pl_gamma}", drafter="prompt lookup",
+                           kind="prompt_lookup", **common))
+    both, both_params = build_drafter("lookup+draft_model", target, params, draft_model=draft,
+                                      draft_params=draft_params)
+    cases.append(spec_case(target, params, both, both_params, gamma=pl_gamma,
+                           label=f"lookup (n 3..2), else draft model, gamma {pl_gamma}",
+                           drafter="prompt lookup + draft model", kind="lookup+draft_model",
+                           **common))
+  except ImportError as e:
+    notes.append(f"skipped prompt lookup: {e}")
+  records, outs, group = run_group(cases, measure_sets, check_sets, **group_kw(plan, "S2"))
+  return {"status": "ok", "prompts": CODE_PROMPTS[:plan.s2_prompts], "max_new_tokens": new,
+          "target_params": param_count(params), "draft_params": param_count(draft_params),
+          "rows": finish_rows(records, outs, "autoregressive"), "groups": [group], "notes": notes}
+
+
+# ---- the memory-bound pair, shared by scenarios 3 and 5 ----------------------------------------
+
+def memory_bound_pair(plan: Plan, ctx: dict):
+  """The ~300M target and its small draft (built once per run, kept in ctx)."""
+  if "s3_pair" not in ctx:
+    log(f"building random target {plan.s3_target} and draft {plan.s3_draft} ...")
+    layout = dict(dtype=plan.s3_dtype, **LAYOUTS[plan.layout])
+    target = random_model(0, **layout, **plan.s3_target)
+    draft = random_model(1, **layout, **plan.s3_draft)
+    jax.block_until_ready((target[1], draft[1]))
+    ctx["s3_pair"] = (target, draft)
+  return ctx["s3_pair"]
+
+
+def s3_geometry(plan: Plan) -> tuple[int, int, int]:
+  """(prompt width, cache length, mid-generation position) for scenarios 3 and 5."""
+  width = plan.prompt_width
+  cache_len = width + plan.s3_new + max(plan.s3_gammas) + 1
+  return width, cache_len, width + plan.s3_new // 2
+
+
+def target_step_loop(plan: Plan, ctx: dict) -> tuple[Callable[[], Any], dict]:
+  """The target's one-token step loop (compiled once per run, kept in ctx)."""
+  if "target_step" not in ctx:
+    (target, params), _ = memory_bound_pair(plan, ctx)
+    _, cache_len, position = s3_geometry(plan)
+    ctx["target_step"] = step_loop(target, params, tokens=1, cache_len=cache_len,
+                                   position=position, steps=plan.loop_steps)
+  return ctx["target_step"]
+
+
+# ---- scenario 3: memory-bound target, synthetic acceptance -------------------------------------
+
+def synthetic_acceptance(plan: Plan, ctx: dict) -> dict:
+  from spec_jax.drafters.synthetic import (expected_tokens_per_round, predicted_speedup,
+                                          synthetic_pair)
+  (target, params), (draft, draft_params) = memory_bound_pair(plan, ctx)
+  width, cache_len, position = s3_geometry(plan)
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(1, target.vocab_size, width).tolist()
+  other = rng.integers(1, target.vocab_size, width - 3).tolist()
+  measured, check = pad_prompts([prompt], width=width), pad_prompts([other], width=width)
+  common = dict(max_new_tokens=plan.s3_new, cache_len=cache_len, batch=1)
+  cases = [ar_case(target, params, **common)]
+  for alpha in plan.s3_alphas:
+    for g in plan.s3_gammas:
+      drafter, verifier = synthetic_pair(draft, alpha)
+      cases.append(spec_case(target, params, drafter, draft_params, gamma=g, verifier=verifier,
+                             label=f"synthetic alpha {alpha}, gamma {g}",
+                             drafter=f"synthetic alpha {alpha} (LOSSY)", kind="synthetic",
+                             alpha=alpha, **common))
+  log("[S3] compiling the step-cost loops (jitted loops of apply) ...")
+  loop = dict(cache_len=cache_len, position=position, steps=plan.loop_steps)
+  loops = {"target_step": target_step_loop(plan, ctx),
+           "draft_step": step_loop(draft, draft_params, tokens=1, **loop)}
+  loops.update({f"verify_{g}": step_loop(target, params, tokens=g + 1, **loop)
+                for g in plan.s3_gammas})
+  records, outs, group = run_group(cases, [measured], [check], **group_kw(plan, "S3"),
+                                   extras={k: thunk for k, (thunk, _) in loops.items()})
+  costs = {k: {**info, "step_s": group["extras_s"][k] / info["steps"]}
+           for k, (_, info) in loops.items()}
+  rows = finish_rows(records, outs, "autoregressive", lossy=True)
+  t_target, t_draft = costs["target_step"]["step_s"], costs["draft_step"]["step_s"]
+  for rec in rows:
+    if rec.get("method") != "speculative" or "error" in rec:
+      continue
+    g, a = rec["gamma"], rec["alpha_measured"]
+    t_verify = costs[f"verify_{g}"]["step_s"]
+    rec["t_target_s"], rec["t_draft_s"], rec["t_verify_s"] = t_target, t_draft, t_verify
+    rec["expected_tokens_per_round"] = expected_tokens_per_round(a, g)
+    rec["predicted_speedup"] = predicted_speedup(a, g, t_target, t_draft, t_verify)
+    rec["engine_efficiency"] = rec["speedup"] / rec["predicted_speedup"]
+  return {"status": "ok", "target_params": param_count(params),
+          "draft_params": param_count(draft_params), "target_config": plan.s3_target,
+          "draft_config": plan.s3_draft, "max_new_tokens": plan.s3_new, "cache_len": cache_len,
+          "costs": costs, "rows": rows, "groups": [group],
+          "notes": ["synthetic rows are lossy by design (coin acceptance): identical is null",
+                    "predicted = E(alpha_measured) * t_target / (gamma * t_draft + t_verify)"]}
+
+
+# ---- scenario 4: HF transformers ---------------------------------------------------------------
+
+def versus_hf_model(name: str, plan: Plan, tmp: str) -> dict:
+  """One model pair of S4_MODELS: HF's three modes and ours, and our step's bound."""
+  from spec_jax.bench.hf import hf_case, to_hf
+  from spec_jax.drafters.draft_model import DraftModelDrafter
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  target_cfg, draft_cfg = S4_MODELS[name]
+  target, params = random_model(10, **target_cfg)
+  draft, draft_params = random_model(11, **draft_cfg)
+  hf_target = to_hf(target, params, os.path.join(tmp, f"{name}-target"))
+  hf_draft = to_hf(draft, draft_params, os.path.join(tmp, f"{name}-draft"))
+  target, params = to_layout(target, params, plan.layout)  # HF got the checkpoint layout
+  draft, draft_params = to_layout(draft, draft_params, plan.layout)
+  g, new = plan.s4_gamma, plan.s4_new
+  # a fixed number of drafts per round: HF's dynamic schedules off
+  hf_draft.generation_config.num_assistant_tokens = g
+  hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+  hf_draft.generation_config.assistant_confidence_threshold = 0.0
+  rng = np.random.default_rng(3)
+  width = plan.prompt_width
+  measured = pad_prompts([rng.integers(1, target.vocab_size, width).tolist()], width=width)
+  check = pad_prompts([rng.integers(1, target.vocab_size, width - 2).tolist()], width=width)
+  cache_len = width + new + g + 1
+  common = dict(max_new_tokens=new, cache_len=cache_len, batch=1)
+  cases = [
+      hf_case(hf_target, "hf: plain", {}, new, method="autoregressive", drafter=None, gamma=None),
+      hf_case(hf_target, "hf: assistant_model", {"assistant_model": hf_draft}, new,
+              method="speculative", drafter="draft model", gamma=g),
+      hf_case(hf_target, "hf: prompt_lookup", {"prompt_lookup_num_tokens": g,
+                                                "max_matching_ngram_size": 3}, new,
+              method="speculative", drafter="prompt lookup (n 3..1)", gamma=g),
+      ar_case(target, params, label="ours: autoregressive", engine="ours", **common),
+      spec_case(target, params, DraftModelDrafter(draft), draft_params, gamma=g,
+                label="ours: draft model", drafter="draft model", engine="ours", **common),
+      spec_case(target, params, PromptLookupDrafter(3, 1), None, gamma=g,
+                label="ours: prompt lookup", drafter="prompt lookup (n 3..1)", engine="ours",
+                **common),
+  ]
+  records, outs, group = run_group(cases, [measured], [check], **group_kw(plan, f"S4 {name}"))
+  by = {r["label"]: (r, o) for r, o in zip(records, outs)}
+  bound = step_bound(target, params, cache_len=cache_len, position=width + new // 2,
+                     steps=plan.loop_steps, repeats=plan.repeats)
+  hf_plain = by["hf: plain"][0]
+  if "error" not in hf_plain:
+    bound["hf_plain_s_per_token"] = 1.0 / hf_plain["tokens_per_s"]
+    bound["hf_over_matmul_chain"] = bound["hf_plain_s_per_token"] / bound["matmul_chain_s"]
+  for engine, base in (("hf", "hf: plain"), ("ours", "ours: autoregressive")):
+    part = [(r, o) for r, o in zip(records, outs) if r.get("engine") == engine]
+    finish_rows([r for r, _ in part], [o for _, o in part], base)
+  pairs = {"plain": ("ours: autoregressive", "hf: plain"),
+           "draft_model": ("ours: draft model", "hf: assistant_model"),
+           "prompt_lookup": ("ours: prompt lookup", "hf: prompt_lookup")}
+  ratios, identical = {}, {}
+  for key, (ours, hf) in pairs.items():
+    (r_o, o_o), (r_h, o_h) = by[ours], by[hf]
+    ok = "error" not in r_o and "error" not in r_h
+    ratios[key] = r_o["tokens_per_s"] / r_h["tokens_per_s"] if ok else None
+    identical[key] = same_tokens(o_o, o_h) if ok else None
+    r_o["ours_over_hf"] = ratios[key]
+    r_o["identical_to_hf"] = identical[key]
+  for rec in records:
+    rec["model"] = name
+  return {"model": name, "target_params": param_count(params),
+          "draft_params": param_count(draft_params), "gamma": g, "max_new_tokens": new,
+          "ours_over_hf": ratios, "identical_to_hf": identical,
+          "min_ratio": min((v for v in ratios.values() if v is not None), default=None),
+          "bound": bound,
+          "rows": records, "group": group}
+
+
+def versus_hf(plan: Plan, ctx: dict) -> dict:
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    return skipped(f"torch / transformers not importable ({e})")
+  torch.set_num_threads(2)
+  transformers.logging.set_verbosity_error()
+  models, rows = [], []
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in plan.s4_models:
+      result = versus_hf_model(name, plan, tmp)
+      rows += result.pop("rows")
+      models.append(result)
+  return {"status": "ok", "models": models, "rows": rows, "target_ratio": 3.0,
+          "groups": [m["group"] for m in models],
+          "notes": ["HF: generate(); assistant with num_assistant_tokens fixed "
+                    "(schedule 'constant', assistant_confidence_threshold 0); prompt lookup with "
+                    "max_matching_ngram_size 3; ours: prompt lookup n 3..1",
+                    f"torch threads: {torch.get_num_threads()}"]}
+
+
+# ---- scenario 5: roofline ----------------------------------------------------------------------
+
+def step_roofline(plan: Plan, ctx: dict) -> dict:
+  (target, params), _ = memory_bound_pair(plan, ctx)
+  nbytes = param_bytes(params)
+  matvec, matvec_shape = matvec_over(nbytes, plan.s3_dtype)
+  step_thunk, step_info = target_step_loop(plan, ctx)
+  thunks = {"matvec": matvec, "tree_sum": lambda: tree_sum(params),
+            "matmul_chain": matmul_chain_loop(target, params, plan.loop_steps),
+            f"step {plan.layout}": step_thunk}
+  _, cache_len, position = s3_geometry(plan)
+  loop = dict(cache_len=cache_len, position=position, steps=plan.loop_steps)
+  pass_tokens = 5  # a gamma-4 verification: the pass speculation's target runs
+  for layout in LAYOUTS:  # the same shapes in every params layout, side by side
+    other = (target, params) if layout == plan.layout else random_model(
+        0, dtype=plan.s3_dtype, **LAYOUTS[layout], **plan.s3_target)
+    if layout != plan.layout:
+      thunks[f"step {layout}"], _ = step_loop(*other, tokens=1, **loop)
+    thunks[f"pass {layout}"], _ = step_loop(*other, tokens=pass_tokens, **loop)
+    del other
+  for thunk in thunks.values():
+    timed(thunk)  # compile, warm up
+  t = interleaved_medians(thunks, plan.repeats)
+  del thunks, matvec
+  sweep = matmul_count_sweep(plan.sweep_bytes, plan.sweep_counts, plan.s3_dtype,
+                             steps=plan.loop_steps, repeats=plan.repeats)
+  roofline_s = min(t["matvec"], t["tree_sum"])
+  chain_s = t["matmul_chain"] / plan.loop_steps
+  layouts = {layout: {"step_s": t[f"step {layout}"] / step_info["steps"],
+                      f"pass_{pass_tokens}_tokens_s": t[f"pass {layout}"] / step_info["steps"]}
+             for layout in LAYOUTS}
+  for rec in layouts.values():
+    rec["ratio"] = roofline_s / rec["step_s"]
+  best = min(layouts, key=lambda k: layouts[k]["step_s"])
+  step_s, ratio = layouts[best]["step_s"], layouts[best]["ratio"]
+  notes = ["roofline = the faster of a [N] x [N, M] matvec over the same bytes and a sum of "
+           "all params; step = one token, batch 1, in a fori_loop of "
+           f"{step_info['steps']} steps; timed interleaved",
+           "step in each params layout (spec_jax.models.llama.LAYOUTS): checkpoint = 7 matmuls per "
+           "layer, kernels [in, out]; fused = 4 (QKV, gate/up fused); fused_out_in = 4, "
+           f"kernels [out, in]. The headline is the fastest ({best}); pass_{pass_tokens}_tokens_s: "
+           f"one {pass_tokens}-token pass (a gamma-{pass_tokens - 1} verification) per layout"]
+  notes.append(f"matmul chain = only the step's {len(weight_matmuls(target, params))} weight "
+               "matmuls, one row each, each fed the one before: what XLA's separate matmuls "
+               "cost before anything else a step does")
+  if nbytes < 64 << 20:
+    notes.append(f"the target is only {nbytes / 2**20:.0f} MiB: it may sit in the CPU caches, "
+                 "so this roofline is not DRAM-bound (quick mode)")
+  return {"status": "ok", "rows": [], "param_bytes": nbytes, "params": param_count(params),
+          "roofline": {"matvec_shape": matvec_shape, "matvec_s": t["matvec"],
+                       "matmul_chain_s": chain_s, "matmul_chain_layout": plan.layout,
+                       "step_over_chain": layouts[plan.layout]["step_s"] / chain_s,
+                       "matmul_count_sweep": sweep,
+                       "tree_sum_s": t["tree_sum"], "roofline_s": roofline_s,
+                       "bandwidth_GBps": nbytes / roofline_s / 1e9, "step_s": step_s,
+                       "step_layout": best, "layouts": layouts,
+                       "step_GBps": nbytes / step_s / 1e9, "ratio": ratio, "target_ratio": 0.8,
+                       "meets_target": bool(ratio >= 0.8)},
+          "notes": notes}
