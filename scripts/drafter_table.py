@@ -23,19 +23,14 @@ import jax
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the test suite's noisy and small models
 
-from conftest import REFERENCE_DIR, REFERENCE_STEM, STORIES_DIR, perturbed, tiny_llama  # noqa: E402
+from spec_jax.testing import (  # noqa: E402
+    REFERENCE_DIR, REFERENCE_STEM, STORIES_DIR, perturbed, tiny_llama)
 from spec_jax.models.llama2c import load_llama2c  # noqa: E402
 from spec_jax.training import distill  # noqa: E402
-from spec_jax.drafters import make_drafter  # noqa: E402
-from spec_jax.drafters.base import TreeDrafter  # noqa: E402
-from spec_jax.drafters.factory import TreeOptions  # noqa: E402
-from spec_jax.tree_speculative import tree_speculative_generate  # noqa: E402
-from spec_jax.generate import generate, pad_prompts  # noqa: E402
-from spec_jax.metrics import summarize  # noqa: E402
-from spec_jax.core.sampling import SamplingConfig  # noqa: E402
-from spec_jax.speculative import speculative_generate  # noqa: E402
+from spec_jax import (SamplingConfig, TreeOptions, generate, make_drafter, pad_prompts,  # noqa: E402
+                      speculate, summarize)
+from spec_jax.drafters.registry import families  # noqa: E402
 
 
 def prompts(kind: str) -> list[list[int]]:
@@ -46,7 +41,8 @@ def prompts(kind: str) -> list[list[int]]:
           [1, 413, 409, 416, 327, 263, 415, 294]]
 
 
-TRAINED = ("medusa", "eagle", "mtp")
+# every registered family that only exists trained (draft models also run untrained here)
+TRAINED = tuple(name for name, fam in families().items() if fam.trained and fam.build is None)
 
 
 def trained_drafters(model, params, args) -> dict[str, str]:
@@ -88,17 +84,14 @@ def drafters(model, params, args):
            ("lookup (n 3..2) + noisy target", "lookup+draft_model", dict(draft=noisy))]
   folders = trained_drafters(model, params, args)
   heads = f"{args.gamma} heads"
-  rows += [(f"Medusa, {heads}", "medusa", dict(checkpoint=folders["medusa"])),
-           ("EAGLE", "eagle", dict(checkpoint=folders["eagle"])),
-           (f"MTP, {args.gamma} modules", "mtp", dict(checkpoint=folders["mtp"]))]
+  rows += [(f"{kind} ({heads} / modules where it has them)", kind,
+            dict(checkpoint=folders[kind])) for kind in TRAINED]
   tree = TreeOptions.parse(args.tree)
   label = f"tree {args.tree}"
   rows += [(f"{label}: draft model = target + noise 0.15", "draft_model",
-            dict(draft=noisy, tree=tree)),
-           (f"{label}: Medusa (static, same budget)", "medusa",
-            dict(checkpoint=folders["medusa"], tree=tree)),
-           (f"{label}: EAGLE (dynamic)", "eagle", dict(checkpoint=folders["eagle"], tree=tree)),
-           (f"{label}: MTP (dynamic)", "mtp", dict(checkpoint=folders["mtp"], tree=tree))]
+            dict(draft=noisy, tree=tree))]
+  rows += [(f"{label}: {kind}", kind, dict(checkpoint=folders[kind], tree=tree))
+           for kind in TRAINED if families()[kind].tree]
   return rows
 
 
@@ -132,11 +125,8 @@ def main(argv=None) -> int:
     draft_model, draft_params = opts.pop("draft", (None, None))
     drafter, dparams = make_drafter(kind, model, params, draft_model=draft_model,
                                     draft_params=draft_params, **opts)
-    if isinstance(drafter, TreeDrafter):
-      out = tree_speculative_generate(model, params, drafter, dparams, *batch, **common)
-    else:
-      out = speculative_generate(model, params, drafter, dparams, *batch, gamma=args.gamma,
-                                 **common)
+    out = speculate(model, params, drafter, dparams, *batch,
+                    gamma=None if drafter.is_tree else args.gamma, **common)
     m = summarize(out.metrics)
     same = (np.array_equal(out.tokens, reference.tokens) if sampling.is_greedy else "n/a")
     print(f"| {label} | {m['mean_accepted']:.2f} | {m['mean_accepted_with_bonus']:.2f} | "

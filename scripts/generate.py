@@ -18,19 +18,12 @@ import time
 import jax
 import numpy as np
 
-from spec_jax.generate import generate, pad_prompts
-from spec_jax.metrics import summarize
-from spec_jax.core.sampling import SamplingConfig
-from spec_jax.speculative import speculative_generate
-
-from spec_jax.drafters.base import TreeDrafter
-from spec_jax.drafters.factory import KINDS as DRAFTER_KINDS, TreeOptions
-from spec_jax.drafters.factory import make_drafter as build_drafter
-from spec_jax.tree_speculative import tree_speculative_generate
-
+from spec_jax import (SamplingConfig, TreeOptions, drafter_kinds, generate, pad_prompts,
+                      speculate, summarize, tree_drafter_kinds)
+from spec_jax import make_drafter as build_drafter
 from spec_jax.models.llama import LAYOUTS
 
-DRAFT_KINDS = DRAFTER_KINDS + ("none",)
+DRAFT_KINDS = drafter_kinds() + ("none",)
 COMPARE_REPEATS = 7  # --compare: medians of this many interleaved runs of each
 # the built-in pair's default: lookup where the text repeats itself, else the distilled draft;
 # at least as fast as the draft model alone on every code prompt of the benchmark
@@ -53,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="folder of a trained drafter (scripts/train_drafter.py --export-dir) for "
                       "--draft medusa/eagle/mtp (or draft_model)")
   p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES",
-                 help="verify a token tree instead of a chain (draft_model, medusa, eagle, mtp), "
+                 help=f"verify a token tree instead of a chain ({', '.join(tree_drafter_kinds())}), "
                       "e.g. 4,3,16; --gamma is then unused")
   p.add_argument("--gamma", type=int, default=4, help="drafted tokens per round")
   p.add_argument("--max-new-tokens", type=int, default=128)
@@ -107,20 +100,16 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
   kind = args.draft or (default if builtin_draft is not None else "prompt_lookup")
   if kind == "none":
     return kind, None, None
-  draft_model = draft_params = None
   tree = None if args.tree is None else TreeOptions.parse(args.tree)
-  if kind.endswith("draft_model") and args.draft_checkpoint is None:
-    if args.draft_model:
-      from spec_jax.models.loading import find_tokenizer_path, load_model
-      from spec_jax.models.tokenizer import check_same_tokenizer, load_tokenizer
-      draft_model, draft_params = for_decoding(args, *load_model(args.draft_model))
-      draft_tok = find_tokenizer_path(args.draft_model)
-      if draft_tok is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
-    elif builtin_draft is not None:
-      draft_model, draft_params = builtin_draft
-    else:
-      raise SystemExit(f"--draft {kind} needs --draft-model PATH")
+  # a draft model for the families that take one (the others ignore it)
+  draft_model, draft_params = builtin_draft or (None, None)
+  if args.draft_model:
+    from spec_jax.models.loading import find_tokenizer_path, load_model
+    from spec_jax.models.tokenizer import check_same_tokenizer, load_tokenizer
+    draft_model, draft_params = for_decoding(args, *load_model(args.draft_model))
+    draft_tok = find_tokenizer_path(args.draft_model)
+    if draft_tok is not None:
+      check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
   try:
     drafter, dparams = build_drafter(kind, target, params, draft_model=draft_model,
                                      draft_params=draft_params, checkpoint=args.draft_checkpoint,
@@ -154,15 +143,12 @@ def main(argv=None) -> int:
   common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=eos,
                 key=jax.random.key(args.seed))
 
-  is_tree = isinstance(drafter, TreeDrafter)
+  is_tree = drafter is not None and drafter.is_tree
   gamma = drafter.max_depth if is_tree else args.gamma
 
   def run_spec():
-    if is_tree:
-      return tree_speculative_generate(target, params, drafter, draft_params, tokens, lengths,
-                                       **common)
-    return speculative_generate(target, params, drafter, draft_params, tokens, lengths,
-                                gamma=gamma, **common)
+    return speculate(target, params, drafter, draft_params, tokens, lengths,
+                     gamma=None if is_tree else gamma, **common)
 
   def run_ar():
     return generate(target, params, tokens, lengths, **common)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ if str(REPO) not in sys.path:
 
 from spec_jax.training.distill import (Trainer, export_drafter, generated_corpus,  # noqa: E402
                               make_spec, mean_accepted, text_corpus, write_description)
-from spec_jax.drafter_losses import KINDS  # noqa: E402
+from spec_jax.drafters.registry import trained_kinds  # noqa: E402
 from spec_jax.training import restore_best  # noqa: E402
 
 
@@ -39,7 +40,7 @@ from spec_jax.training import restore_best  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--kind", required=True, choices=KINDS)
+  p.add_argument("--kind", required=True, choices=trained_kinds())
   p.add_argument("--model", required=True,
                  help="target checkpoint (llama2.c .bin, HF or native folder)")
   p.add_argument("--tokenizer", default=None, help="for --corpus FILE (default: beside the model)")
@@ -54,9 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--draft-layers", type=int, default=1, help="draft_model layers")
   p.add_argument("--draft-hidden", type=int, default=None, help="MLP width of the drafter's block")
   p.add_argument("--loss", default="kl", choices=("kl", "ce"), help="token loss")
-  p.add_argument("--feature-weight", type=float, default=1.0, help="EAGLE smooth-L1 weight")
-  p.add_argument("--token-weight", type=float, default=0.1, help="EAGLE token-loss weight")
-  p.add_argument("--feature-noise", type=float, default=0.0, help="EAGLE input feature noise")
+  p.add_argument("--feature-weight", type=float, default=1.0, help="feature regression weight (EAGLE)")
+  p.add_argument("--token-weight", type=float, default=0.1, help="token-loss weight (EAGLE)")
+  p.add_argument("--feature-noise", type=float, default=0.0, help="input feature noise (EAGLE)")
   p.add_argument("--steps", type=int, default=1000)
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--lr", type=float, default=3e-3)
@@ -97,10 +98,11 @@ def main(argv=None) -> dict:
       raise SystemExit(f"no tokenizer found beside {args.model}; pass --tokenizer")
     corpus = text_corpus(args.corpus, load_tokenizer(tok_path), seq_len=args.seq_len,
                          max_heldout=max(args.eval_prompts, 8), seed=args.seed)
-  options = {"token": args.loss}
-  if args.kind == "eagle":
-    options.update(feature_weight=args.feature_weight, token_weight=args.token_weight,
-                   feature_noise=args.feature_noise)
+  # each family's loss takes the options it names (spec_jax.drafters.registry.Trained.loss)
+  accepted = inspect.signature(spec.trained.loss).parameters
+  options = {k: v for k, v in dict(token=args.loss, feature_weight=args.feature_weight,
+                                   token_weight=args.token_weight,
+                                   feature_noise=args.feature_noise).items() if k in accepted}
   trainer = Trainer(spec, target, target_params, corpus, args.steps, args.batch_size, args.lr,
                     args.warmup, args.weight_decay, args.clip, options, args.seed)
   if args.checkpoint_dir:

@@ -12,12 +12,9 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from spec_jax.drafters.base import TreeDrafter
 from spec_jax.core.sampling import SamplingConfig
-from spec_jax.speculative import SpeculativeProgram, prepare
-from spec_jax.tree_speculative import prepare_tree
-from spec_jax.tree_verify import verify_tree
-from spec_jax.verify import verify
+from spec_jax.engine import prepare_program
+from spec_jax.speculative import SpeculativeProgram
 
 
 @functools.partial(jax.jit, static_argnames=("program",))
@@ -37,26 +34,18 @@ def _finish(program: SpeculativeProgram, state, lengths, pad_id):
 
 
 def speculative_chunks(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B,
-                       *, gamma: int | None, max_new_tokens: int, rounds_per_chunk: int = 4,
+                       *, gamma: int | None = None, max_new_tokens: int, rounds_per_chunk: int = 4,
                        sampling=None, eos_id=None, key=None, budgets_B=None, pad_id: int = 0,
                        cache_len=None, verifier=None) -> Iterator:
   """Yields a GenerationOutput after every `rounds_per_chunk` rounds; the last is final.
 
-  Chain drafters draft `gamma` tokens a round (as speculative_generate); tree drafters
-  (as tree_speculative_generate) take their depth from the drafter: pass gamma=None.
-  `verifier` defaults to verify (chains) or verify_tree (trees).
+  Chains and trees alike, with `spec_jax.speculate`'s arguments (see prepare_program).
   """
-  common = dict(max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
-                eos_id=eos_id, key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len)
-  if isinstance(drafter, TreeDrafter):
-    if gamma is not None:
-      raise ValueError(f"a tree drafter's depth ({drafter.max_depth}) sets the draft length: "
-                       f"pass gamma=None, got {gamma}")
-    program, args = prepare_tree(target, drafter, prompt_tokens_BP, prompt_lengths_B,
-                                 verifier=verifier or verify_tree, **common)
-  else:
-    program, args = prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B, gamma=gamma,
-                            verifier=verifier or verify, **common)
+  program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
+                                  gamma=gamma, max_new_tokens=max_new_tokens,
+                                  sampling=sampling or SamplingConfig(), eos_id=eos_id, key=key,
+                                  budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
+                                  verifier=verifier)
   tokens, lengths, budgets, eos, pad, key = args
   state = _init(program, params, draft_params, tokens, lengths, budgets, eos, key)
   rounds = 0

@@ -17,7 +17,8 @@ from spec_jax.models.params_io import CheckpointError
 from spec_jax.training import distill
 from spec_jax.drafters import (DraftModelTreeDrafter, EagleDrafter, EagleTreeDrafter,
                                MedusaDrafter, MedusaTreeDrafter, MTPDrafter, MTPTreeDrafter)
-from spec_jax.drafters.factory import TreeOptions, make_drafter, static_choices
+from spec_jax.drafters.factory import TreeOptions, make_drafter
+from spec_jax.drafters.medusa import static_choices
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.streaming import speculative_chunks

@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, STORIES_DIR, require_shared, tiny_llama
 from spec_jax.models.drafter_heads import HeadParams, shared_head
 from spec_jax.training import distill as td
-from spec_jax.drafter_losses import shift_left, target_outputs
+from spec_jax.losses import shift_left, target_outputs
 from spec_jax.drafters.base import DraftContext, PromptInfo
 from spec_jax.drafters.eagle import EagleTreeDrafter
 from spec_jax.drafters.medusa import MedusaTreeDrafter
@@ -274,15 +274,15 @@ def _check_mtp_tree_children(target, tp, spec, head_params, drafter, state, seq,
       parent = int(tree.parents_BN[b, node])
       rows.append(list(seq[b, :length + 1]) + paths[parent])
       children.append((node, path[-1], len(paths[parent]), length))
-  tokens_CT, _ = pad_prompts(rows)
-  positions_CT = np.broadcast_to(np.arange(tokens_CT.shape[1], dtype=np.int32), tokens_CT.shape)
-  _, hidden_CTD, _ = target.apply(tp, tokens_CT, positions_CT, target.init_cache(*tokens_CT.shape))
-  logits_KCTV, _ = spec.model.apply(head_params, hidden_CTD, jnp.asarray(tokens_CT), positions_CT,
-                                    spec.model.init_cache(*tokens_CT.shape))
-  logits_KCTV = np.asarray(logits_KCTV)
+  tokens_BT, _ = pad_prompts(rows)
+  positions_BT = np.broadcast_to(np.arange(tokens_BT.shape[1], dtype=np.int32), tokens_BT.shape)
+  _, hidden_BTD, _ = target.apply(tp, tokens_BT, positions_BT, target.init_cache(*tokens_BT.shape))
+  logits_ABTV, _ = spec.model.apply(head_params, hidden_BTD, jnp.asarray(tokens_BT), positions_BT,
+                                    spec.model.init_cache(*tokens_BT.shape))
+  logits_ABTV = np.asarray(logits_ABTV)
   ranks = drafter.spec.ranks if drafter.choices is not None else None
   for c, (node, token, parent_depth, length) in enumerate(children):
-    ranked = np.argsort(-logits_KCTV[parent_depth, c, length - 1])
+    ranked = np.argsort(-logits_ABTV[parent_depth, c, length - 1])
     if ranks is None:
       assert token in ranked[:drafter.top_k], (c, node)
     else:
@@ -332,12 +332,12 @@ def _accept_part_of_the_deepest_path(tree, target_logits_BNV, sampling, key):
   node_B = jnp.argmax(tree.depth_BN, axis=1)
   deepest_B = tree.depth_BN[rows, node_B]
   keep_B = jnp.minimum(jax.random.randint(key, (batch,), 0, 2 * tree.max_depth), deepest_B)
-  path_BD1 = jnp.zeros((batch, tree.max_depth + 1), jnp.int32)
+  path_BR1 = jnp.zeros((batch, tree.max_depth + 1), jnp.int32)
   for d in range(tree.max_depth, 0, -1):  # walk up from the deepest node
-    path_BD1 = path_BD1.at[:, d].set(jnp.where(d <= keep_B, node_B, 0))
+    path_BR1 = path_BR1.at[:, d].set(jnp.where(d <= keep_B, node_B, 0))
     node_B = jnp.where(d <= deepest_B, tree.parents_BN[rows, node_B], node_B)
-  last_B = jnp.take_along_axis(path_BD1, keep_B[:, None], axis=1)[:, 0]
-  return path_BD1, keep_B, jnp.argmax(target_logits_BNV[rows, last_B], axis=-1).astype(jnp.int32)
+  last_B = jnp.take_along_axis(path_BR1, keep_B[:, None], axis=1)[:, 0]
+  return path_BR1, keep_B, jnp.argmax(target_logits_BNV[rows, last_B], axis=-1).astype(jnp.int32)
 
 
 # --- losses: alignment, checked with oracle drafters that copy the target -----------------
@@ -374,12 +374,11 @@ class _BadMedusa:
 @pytest.mark.parametrize("kind", ["draft_model", "medusa", "eagle", "mtp"])
 @pytest.mark.parametrize("token", ["kl", "ce"])
 def test_losses_are_aligned_with_each_kinds_convention(tiny_target, kind, token):
-  from spec_jax import drafter_losses as dl
+  from spec_jax.drafters.registry import trained_family
   target, tp = tiny_target
   tokens = jax.random.randint(jax.random.key(0), (3, 10), 0, VOCAB)
   t = target_outputs(target, tp, tokens)
-  loss_fn = {"draft_model": dl.draft_model_loss, "medusa": dl.medusa_loss, "eagle": dl.eagle_loss,
-             "mtp": dl.mtp_loss}[kind]
+  loss_fn = trained_family(kind).trained.loss
   loss, metrics = loss_fn(_Oracle(t, kind), None, t, token=token)
   for name, value in metrics.items():
     if name.startswith("agree"):
@@ -392,7 +391,7 @@ def test_losses_are_aligned_with_each_kinds_convention(tiny_target, kind, token)
     assert abs(float(loss)) < 1e-5
   # a wrong alignment is caught: the target's unshifted logits for a later token
   if kind == "medusa":
-    bad, bad_metrics = dl.medusa_loss(_BadMedusa(t), None, t, token=token)
+    bad, bad_metrics = loss_fn(_BadMedusa(t), None, t, token=token)
     assert float(bad_metrics["agree_1"]) < 1.0
 
 

@@ -10,6 +10,19 @@ any) are passed in as a traced argument, never baked into the program:
 
 `probs` are the warped probabilities the drafts were sampled from, or None for
 deterministic drafters (the verifier then treats q as one-hot).
+
+THE LOSSLESS CONTRACT. Read this before writing a drafter. Speculative sampling reproduces
+the target's distribution exactly for ANY proposal q, provided that:
+  1. draft i is drawn from q_i, and q_i is exactly what `propose` returns in probs[:, i]
+     (or the drafter is deterministic and returns None: q_i is one-hot at draft i);
+  2. q_i depends only on the context (prompt, committed tokens, the drafter's state from
+     past rounds) and on the earlier drafts d_1..d_{i-1} of the same round, never on d_i
+     itself, on later drafts, or on the target's verdict of this round;
+  3. state carried to the next round is updated in `commit` from the true outcome.
+A drafter that peeks at the target's logits, or re-ranks drafts after drawing them, breaks
+(2) and biases the output; the distribution tests of every family catch that. Trees: the
+tree's shape and tokens must be a deterministic function of the context (tree verification
+uses one-hot q over siblings). Families declare themselves in spec_jax.drafters.registry.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ from typing import Any
 import jax
 from flax import struct
 
-from spec_jax.core.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig, TokenHistory
 
 
 @struct.dataclass
@@ -29,7 +42,9 @@ class PromptInfo:
   tokens_BP: jax.Array  # [B, P] padded prompts
   lengths_B: jax.Array  # [B] prompt lengths
   cache_len: int = struct.field(pytree_node=False)  # slots in every KV cache of this generation
-  target_hidden_BPD: jax.Array | None = None  # target's last hidden states over the prompt
+  # target's last hidden states over the prompt; for a drafter with feature_layers, followed
+  # along the last axis by those layers' outputs: [B, P, (1 + n) * D] (target_with_features)
+  target_hidden_BPD: jax.Array | None = None
 
 
 @struct.dataclass
@@ -38,6 +53,10 @@ class DraftContext:
   seq_BS: jax.Array  # [B, S] prompt + generated tokens; the pending token is the last one
   position_B: jax.Array  # [B] position of the pending token (== target cache length)
   pending_B: jax.Array  # [B] newest token: generated, not yet seen by the target
+  # What process_logits reads for the token after pending (penalties, min_new_tokens); None
+  # when the sampling settings process nothing. Drafts drawn from processed logits are
+  # accepted more often; the verifier stays exact either way (it gets the q drawn from).
+  history: TokenHistory | None = None
 
 
 @struct.dataclass
@@ -52,12 +71,17 @@ class RoundOutcome:
   # Tree rounds (spec_jax.tree_speculative): node indices of the accepted path, root first
   # [B, max_depth + 1]; draft_tokens_BG and target_hidden_BG1D are then the tokens and
   # hidden states along that path (entries past num_accepted are padding). None for chains.
-  tree_path_BD1: jax.Array | None = None
+  tree_path_BR1: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
   """Base class. Subclasses override init / propose / commit and set vocab_size."""
+  is_tree = False  # a chain drafter: `propose` drafts gamma tokens (class attribute, not a field)
+  # Target layers whose outputs the drafter reads (static; a property or class attribute).
+  # When set, the generation runs the target asked for them, and every target hidden state
+  # the drafter gets (PromptInfo, RoundOutcome) is [last ; layer l_1 ; ... ; layer l_n].
+  feature_layers = ()  # tuple[int, ...]; not a dataclass field (no annotation)
 
   @property
   def vocab_size(self) -> int | None:
@@ -68,6 +92,7 @@ class Drafter:
     if self.vocab_size is not None and self.vocab_size != target.vocab_size:
       raise ValueError(f"drafter vocabulary ({self.vocab_size}) differs from the target's "
                        f"({target.vocab_size}); draft and target must share one tokenizer")
+    check_feature_layers(self.feature_layers, target, type(self).__name__)
 
   def extra_slots(self, gamma: int) -> int:
     """Cache slots a round may write beyond the kept tokens (target: gamma drafts + 1)."""
@@ -108,8 +133,9 @@ class TreeDrafter(Drafter):
 
   Node 0 of the tree is the pending token ctx.pending_B. `num_nodes` and `max_depth` are
   static; commit receives a RoundOutcome whose draft tokens and target hidden states are
-  those along the accepted path (see RoundOutcome.tree_path_BD1).
+  those along the accepted path (see RoundOutcome.tree_path_BR1).
   """
+  is_tree = True
 
   @property
   def num_nodes(self) -> int:
@@ -125,3 +151,28 @@ class TreeDrafter(Drafter):
   def propose_tree(self, params, state, ctx: DraftContext, sampling: SamplingConfig,
                    key: jax.Array):
     raise NotImplementedError
+
+
+def check_feature_layers(layers: tuple[int, ...], target, who: str) -> None:
+  """Host-side: the target can return the outputs of `layers` (ids inside its stack)."""
+  if not layers:
+    return
+  if not hasattr(target, "with_feature_layers"):
+    raise ValueError(f"{who} reads the outputs of target layers {layers}, but the target "
+                     f"({type(target).__name__}) cannot return them (no with_feature_layers)")
+  num_layers = target.config.n_layers if getattr(target, "num_layers", None) is None \
+      else target.num_layers
+  beyond = [i for i in layers if not 0 <= i < num_layers]
+  if beyond:
+    raise ValueError(f"{who} reads target layers {layers}, but the target has {num_layers} "
+                     f"layers (ids 0..{num_layers - 1}): it was made for a deeper target")
+
+
+def target_with_features(target, drafter: Drafter):
+  """The target as the generation must run it for `drafter`: asked for the outputs of the
+  drafter's feature_layers (hidden = [last ; those layers] along the feature axis), or the
+  target itself when the drafter names none, so that program is unchanged."""
+  layers = tuple(drafter.feature_layers)
+  if not layers:
+    return target
+  return target.with_feature_layers(layers)

@@ -30,8 +30,10 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
-from spec_jax.drafters.prompt_lookup import found_match
-from spec_jax.core.sampling import SamplingConfig, sample, warped_probs
+from spec_jax.drafters.common import autoregressive_drafts
+from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, found_match
+from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
+from spec_jax.core.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,25 +65,14 @@ class ResyncDraftModelDrafter(DraftModelDrafter):
               sampling: SamplingConfig, key: jax.Array):
     pos_B = ctx.position_B
     logits_BWV, cache = self._resync(params, state, ctx, gamma)
-    keys = jax.random.split(key, gamma)
-    probs = lambda logits_BV: None if sampling.is_greedy else warped_probs(logits_BV, sampling)
-    first_B = sample(keys[0], logits_BWV[:, -1], sampling)
 
-    def step(carry, inputs):
-      cache, token_B = carry
-      step_key, offset = inputs
+    def step(cache, token_B, offset):
       logits_B1V, _, cache = self.model.apply(params, token_B[:, None],
                                               (pos_B + offset)[:, None], cache)
-      next_B = sample(step_key, logits_B1V[:, 0], sampling)
-      return (cache, next_B), (next_B, probs(logits_B1V[:, 0]))
+      return cache, logits_B1V[:, 0]
 
-    (cache, _), (rest_GB, rest_probs_GBV) = jax.lax.scan(
-        step, (cache, first_B), (keys[1:], jnp.arange(1, gamma, dtype=jnp.int32)))
-    tokens_BG = jnp.concatenate([first_B[:, None], rest_GB.T], axis=1)
-    probs_BGV = None
-    if not sampling.is_greedy:
-      probs_BGV = jnp.concatenate([probs(logits_BWV[:, -1])[:, None],
-                                   rest_probs_GBV.transpose(1, 0, 2)], axis=1)
+    tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_BWV[:, -1], gamma,
+                                                        sampling, key, ctx.history)
     return tokens_BG, probs_BGV, DraftModelState(cache)
 
   def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:
@@ -157,3 +148,20 @@ class FallbackDrafter(Drafter):
   def commit(self, params, state: FallbackState, outcome: RoundOutcome) -> FallbackState:
     return FallbackState(self.primary.commit(params[0], state.primary, outcome),
                          self.secondary.commit(params[1], state.secondary, outcome))
+
+
+# In a combination a unigram match (min_ngram 1) exists nearly always, and would shut the
+# model out; two tokens of context are the least evidence that lookup is worth trusting.
+FALLBACK_MIN_NGRAM = 2
+
+
+def lookup_or(drafter: DraftModelDrafter, params, opts: BuildOptions):
+  """Prompt lookup where it matches, else `drafter`'s model (resynced: see above)."""
+  min_ngram = min(FALLBACK_MIN_NGRAM, opts.max_ngram) if opts.min_ngram is None else opts.min_ngram
+  return (FallbackDrafter(PromptLookupDrafter(opts.max_ngram, min_ngram),
+                          ResyncDraftModelDrafter(drafter.model)), (None, params))
+
+
+register(DrafterFamily(name="lookup", summary="prompt lookup where it matches, else a draft "
+                       "model (rows choose per round): lookup+<model family>",
+                       combine=lookup_or))

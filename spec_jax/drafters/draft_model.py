@@ -16,9 +16,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
+from spec_jax.drafters.common import autoregressive_drafts
 from spec_jax.generate import prefill
 from spec_jax.core.kv_cache import KVCache
-from spec_jax.core.sampling import SamplingConfig, sample, warped_probs
+from spec_jax.drafters.registry import (BuildOptions, DrafterFamily, DrafterSizes, Trained,
+                                        TreeOptions, register)
+from spec_jax.losses import TargetOutputs, positions_of, token_loss
+from spec_jax.models.llama import LlamaConfig, LlamaModel
+from spec_jax.core.sampling import SamplingConfig
 
 
 @struct.dataclass
@@ -49,32 +54,17 @@ class DraftModelDrafter(Drafter):
               sampling: SamplingConfig, key: jax.Array):
     pos_B = ctx.position_B
     prev_B = jnp.take_along_axis(ctx.seq_BS, (pos_B - 1)[:, None], axis=1)[:, 0]
-    keys = jax.random.split(key, gamma)
-
-    def draw(logits_BV, step_key):
-      token_B = sample(step_key, logits_BV, sampling)
-      probs_BV = None if sampling.is_greedy else warped_probs(logits_BV, sampling)
-      return token_B, probs_BV
-
     tokens_B2 = jnp.stack([prev_B, ctx.pending_B], axis=1)
     positions_B2 = jnp.stack([pos_B - 1, pos_B], axis=1)
     logits_B2V, _, cache = self.model.apply(params, tokens_B2, positions_B2, state.cache)
-    first_B, first_probs_BV = draw(logits_B2V[:, 1], keys[0])
 
-    def step(carry, inputs):
-      cache, token_B = carry
-      step_key, offset = inputs
+    def step(cache, token_B, offset):
       logits_B1V, _, cache = self.model.apply(params, token_B[:, None],
                                               (pos_B + offset)[:, None], cache)
-      next_B, probs_BV = draw(logits_B1V[:, 0], step_key)
-      return (cache, next_B), (next_B, probs_BV)
+      return cache, logits_B1V[:, 0]
 
-    (cache, _), (rest_GB, rest_probs_GBV) = jax.lax.scan(
-        step, (cache, first_B), (keys[1:], jnp.arange(1, gamma, dtype=jnp.int32)))
-    tokens_BG = jnp.concatenate([first_B[:, None], rest_GB.T], axis=1)
-    probs_BGV = None
-    if not sampling.is_greedy:
-      probs_BGV = jnp.concatenate([first_probs_BV[:, None], rest_probs_GBV.transpose(1, 0, 2)], 1)
+    tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_B2V[:, 1], gamma,
+                                                        sampling, key, ctx.history)
     return tokens_BG, probs_BGV, DraftModelState(cache)
 
   def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:
@@ -85,3 +75,53 @@ class DraftModelDrafter(Drafter):
     valid_B = pos_B + 1 + jnp.minimum(outcome.num_accepted_B, gamma - 1)
     return DraftModelState(state.cache.with_length(
         jnp.minimum(valid_B, outcome.new_target_length_B)))
+
+
+# --- the family ---------------------------------------------------------------------------------
+
+def new_draft_model(target, sizes: DrafterSizes):
+  """A small Llama shaped after the target: `sizes.layers` layers of width `sizes.dim`
+  (default half the target's), the target's head_dim and vocabulary."""
+  cfg = target.config
+  dim = sizes.dim or max(cfg.dim // 2, 8)
+  head_dim = cfg.resolved_head_dim
+  heads = max(1, dim // head_dim)
+  small = dataclasses.replace(cfg, dim=dim, n_layers=sizes.layers, n_heads=heads,
+                              n_kv_heads=heads // 2 if heads % 2 == 0 else heads,
+                              head_dim=head_dim, hidden_dim=sizes.hidden or 2 * dim)
+  return LlamaModel(small)
+
+
+def _model_from_config(config: dict):
+  return LlamaModel(LlamaConfig.from_dict(config))
+
+
+def draft_model_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl"):
+  """A separate draft model (a CausalLM) on the same tokens: logits at t vs the target's."""
+  batch, length = t.tokens_BT.shape
+  logits_BTV, _, _ = model.apply(params, t.tokens_BT, positions_of(t),
+                                 model.init_cache(batch, length))
+  loss, agree = token_loss(logits_BTV, t, 1, token)
+  return loss, {"token_loss": loss, "agree_1": agree}
+
+
+def _tree_drafter(model, tree: TreeOptions):
+  from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
+  return DraftModelTreeDrafter(model, tree.depth, tree.top_k, tree.nodes)
+
+
+def _build(target, target_params, opts: BuildOptions):
+  if opts.draft_model is None or opts.draft_params is None:
+    raise ValueError("drafter 'draft_model' needs draft_model and draft_params (or a "
+                     "checkpoint written by scripts/train_drafter.py --export-dir)")
+  if opts.tree is not None:
+    return _tree_drafter(opts.draft_model, opts.tree), opts.draft_params
+  return DraftModelDrafter(opts.draft_model), opts.draft_params
+
+
+register(DrafterFamily(
+    name="draft_model", summary="a separate small draft model with its own KV cache",
+    build=_build, tree=True, combinable=True,
+    trained=Trained(new_model=new_draft_model, model_from_config=_model_from_config,
+                    chain=DraftModelDrafter, tree=_tree_drafter, loss=draft_model_loss,
+                    reads_target_head=False)))

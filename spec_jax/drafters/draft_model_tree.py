@@ -28,7 +28,8 @@ from flax import struct
 from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.generate import prefill
 from spec_jax.core.kv_cache import KVCache, tree_mask
-from spec_jax.core.sampling import SamplingConfig, warp_logits
+from spec_jax.core.sampling import SamplingConfig
+from spec_jax.drafters.common import tree_log_probs
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
 
@@ -59,21 +60,16 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
                           prompt.cache_len)
     return DraftTreeState(cache)
 
-  def _log_probs(self, logits, sampling: SamplingConfig):
-    # greedy warping is one-hot, which would leave nothing to rank the other children by
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) if sampling.is_greedy \
-        else warp_logits(logits, sampling)
-
   def propose_tree(self, params, state: DraftTreeState, ctx: DraftContext,
                    sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, DraftTreeState]:
     root_B = ctx.position_B
     start_B = state.cache.length_B
     # catch-up: [last round's accepted drafts, pending, stale...] at positions start..
-    positions_BC = start_B[:, None] + jnp.arange(self.max_depth + 1, dtype=jnp.int32)[None, :]
+    positions_BR1 = start_B[:, None] + jnp.arange(self.max_depth + 1, dtype=jnp.int32)[None, :]
     last_slot = ctx.seq_BS.shape[1] - 1
-    tokens_BC = jnp.take_along_axis(ctx.seq_BS, jnp.minimum(positions_BC, last_slot), axis=1)
-    logits_BCV, _, cache = self.model.apply(params, tokens_BC, positions_BC, state.cache)
-    root_logits_BV = jnp.take_along_axis(logits_BCV, (root_B - start_B)[:, None, None],
+    tokens_BR1 = jnp.take_along_axis(ctx.seq_BS, jnp.minimum(positions_BR1, last_slot), axis=1)
+    logits_BR1V, _, cache = self.model.apply(params, tokens_BR1, positions_BR1, state.cache)
+    root_logits_BV = jnp.take_along_axis(logits_BR1V, (root_B - start_B)[:, None, None],
                                          axis=1)[:, 0]
     cache = cache.with_length(root_B + 1)
 
@@ -83,9 +79,9 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
       mask_BTS = tree_mask(root_B, level.ancestors_BTM, cache.max_len)
       logits_BTV, _, cache = self.model.apply(params, level.tokens_BT, positions_BT, cache,
                                               slots_BT=slots_BT, mask_BTS=mask_BTS)
-      return self._log_probs(logits_BTV, sampling), cache
+      return tree_log_probs(logits_BTV, sampling, ctx.history, level.depth), cache
 
-    root_logp_BV = self._log_probs(root_logits_BV, sampling)
+    root_logp_BV = tree_log_probs(root_logits_BV, sampling, ctx.history)
     if self.choices is None:
       tree, cache = grow_dynamic_tree(root_logp_BV, ctx.pending_B, expand, cache,
                                       depth=self.depth, top_k=self.top_k, num_nodes=self.nodes)

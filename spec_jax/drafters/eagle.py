@@ -37,48 +37,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
-from spec_jax.drafters.medusa import draw, tree_log_probs
+from spec_jax.drafters.common import (autoregressive_drafts, gather_positions, prompt_features,
+                                     store_verified_features, tree_log_probs, window_positions)
+from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
+from spec_jax.losses import (TargetOutputs, positions_of, shift_left, smooth_l1, token_loss)
+from spec_jax.models.drafter_heads import EagleConfig, EagleModel
+from spec_jax.models.llama import LlamaConfig
 from spec_jax.core.kv_cache import KVCache, tree_mask
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
-
-
-def prompt_features(prompt: PromptInfo, dtype=None) -> jax.Array:
-  """[B, cache_len, D] target features by position, filled with the prompt's."""
-  hidden_BPD = prompt.target_hidden_BPD
-  if hidden_BPD is None:
-    raise ValueError("this drafter needs the target's hidden states (PromptInfo.target_hidden_BPD)")
-  batch, width, dim = hidden_BPD.shape
-  features_BSD = jnp.zeros((batch, prompt.cache_len, dim), dtype or hidden_BPD.dtype)
-  return features_BSD.at[:, :width].set(hidden_BPD.astype(features_BSD.dtype))
-
-
-def store_verified_features(features_BSD: jax.Array, outcome: RoundOutcome) -> jax.Array:
-  """Writes the verify pass's features at positions L..L+gamma, only those the target kept."""
-  hidden_BG1D = outcome.target_hidden_BG1D
-  if hidden_BG1D is None:
-    raise ValueError("this drafter needs the target's hidden states "
-                     "(RoundOutcome.target_hidden_BG1D)")
-  batch, width, _ = hidden_BG1D.shape
-  pos_BG1 = outcome.context.position_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-  slots_BG1 = jnp.where(pos_BG1 < outcome.new_target_length_B[:, None], pos_BG1,
-                        features_BSD.shape[1])  # beyond the kept tokens: dropped
-  return features_BSD.at[jnp.arange(batch)[:, None], slots_BG1].set(
-      hidden_BG1D.astype(features_BSD.dtype), mode="drop")
-
-
-def window_positions(position_B: jax.Array, width: int) -> jax.Array:
-  """[B, width] positions L-width .. L-1 (negative ones are padding, never stored)."""
-  return position_B[:, None] - width + jnp.arange(width, dtype=jnp.int32)[None, :]
-
-
-def gather_positions(x_BS, positions_BW):
-  """x[b, positions[b, w]] for [B, S] or [B, S, D] buffers, positions clipped into range."""
-  idx_BW = jnp.clip(positions_BW, 0, x_BS.shape[1] - 1)
-  if x_BS.ndim == 3:
-    return jnp.take_along_axis(x_BS, idx_BW[:, :, None], axis=1)
-  return jnp.take_along_axis(x_BS, idx_BW, axis=1)
 
 
 @struct.dataclass
@@ -123,25 +91,16 @@ class EagleDrafter(Drafter):
   def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     pos_B = ctx.position_B
-    keys = jax.random.split(key, gamma)
     root_logits_BV, root_feat_BD, cache = eagle_window(self.model, params, state, ctx, gamma + 1)
-    first_B, first_probs_BV = draw(keys[0], root_logits_BV, sampling)
 
-    def step(carry, inputs):
-      cache, feat_BD, token_B = carry
-      step_key, offset = inputs
+    def step(carry, token_B, offset):  # (predicted f_{L-1+offset}, d_offset) at L-1+offset
+      cache, feat_BD = carry
       logits_B1V, feat_B1D, cache = self.model.apply(params, feat_BD[:, None], token_B[:, None],
                                                      (pos_B - 1 + offset)[:, None], cache)
-      next_B, probs_BV = draw(step_key, logits_B1V[:, 0], sampling)
-      return (cache, feat_B1D[:, 0], next_B), (next_B, probs_BV)
+      return (cache, feat_B1D[:, 0]), logits_B1V[:, 0]
 
-    (cache, _, _), (rest_GB, rest_probs_GBV) = jax.lax.scan(
-        step, (cache, root_feat_BD, first_B),
-        (keys[1:], jnp.arange(1, gamma, dtype=jnp.int32)))
-    tokens_BG = jnp.concatenate([first_B[:, None], rest_GB.T], axis=1)
-    probs_BGV = None
-    if not sampling.is_greedy:
-      probs_BGV = jnp.concatenate([first_probs_BV[:, None], rest_probs_GBV.transpose(1, 0, 2)], 1)
+    tokens_BG, probs_BGV, (cache, _) = autoregressive_drafts(
+        step, (cache, root_feat_BD), root_logits_BV, gamma, sampling, key, ctx.history)
     return tokens_BG, probs_BGV, EagleState(cache.with_length(pos_B), state.features_BSD)
 
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
@@ -178,9 +137,9 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
           params, parent_feats_BTD, level.tokens_BT, positions_BT, cache, slots_BT=slots_BT,
           mask_BTS=mask_BTS)
       feats_BMD = feats_BMD.at[:, level.block_ids].set(feats_BTD)
-      return tree_log_probs(logits_BTV, sampling), (cache, feats_BMD)
+      return tree_log_probs(logits_BTV, sampling, ctx.history, level.depth), (cache, feats_BMD)
 
-    root_logp_BV = tree_log_probs(root_logits_BV, sampling)
+    root_logp_BV = tree_log_probs(root_logits_BV, sampling, ctx.history)
     if self.choices is None:
       tree, (cache, _) = grow_dynamic_tree(root_logp_BV, ctx.pending_B, expand,
                                            (cache, feats_BMD), depth=self.depth,
@@ -192,3 +151,44 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
 
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
+
+
+# --- the family ---------------------------------------------------------------------------------
+
+def eagle_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
+               feature_weight: float = 1.0, token_weight: float = 0.1,
+               feature_noise: float = 0.0):
+  """EAGLE: feature regression (smooth L1 to f_{t+1}) + token loss on the predicted feature.
+
+  Element t = (f_t, x_{t+1}) predicts f_{t+1} and, through the head, x_{t+2}: target logits
+  at t+1. `feature_noise` adds U(-a, a) to the input features (as EAGLE does), so the drafter
+  learns to cope with its own imprecise features when it drafts several steps ahead.
+  """
+  batch, length = t.tokens_BT.shape
+  features_BTD = t.hidden_BTD
+  if feature_noise and rng is not None:
+    features_BTD = features_BTD + jax.random.uniform(
+        rng, features_BTD.shape, features_BTD.dtype, -feature_noise, feature_noise)
+  logits_BTV, pred_BTD, _ = model.apply(params, features_BTD, shift_left(t.tokens_BT, 1),
+                                        positions_of(t), model.init_cache(batch, length))
+  feature = smooth_l1(pred_BTD, shift_left(t.hidden_BTD, 1), shift_left(t.mask_BT, 1, False))
+  tok, agree = token_loss(logits_BTV, t, 2, token)
+  loss = feature_weight * feature + token_weight * tok
+  return loss, {"feature_loss": feature, "token_loss": tok, "agree_1": agree}
+
+
+def _new_model(target, sizes: DrafterSizes):
+  overrides = {} if sizes.hidden is None else {"hidden_dim": sizes.hidden}
+  return EagleModel(EagleConfig.for_target(target.config, **overrides))
+
+
+register(DrafterFamily(
+    name="eagle", summary="a one-layer decoder drafting in the target's feature space (trained)",
+    tree=True,
+    trained=Trained(
+        new_model=_new_model,
+        model_from_config=lambda config: EagleModel(EagleConfig(
+            LlamaConfig.from_dict(config["layer"]))),
+        chain=EagleDrafter,
+        tree=lambda model, tree: EagleTreeDrafter(model, tree.depth, tree.top_k, tree.nodes),
+        loss=eagle_loss, hidden_width=lambda model: model.config.layer.dim)))

@@ -19,45 +19,24 @@ lossless. Its commit sees the accepted path in chain form, so the bookkeeping is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
-from spec_jax.core.sampling import SamplingConfig, sample, warp_logits, warped_probs
+from spec_jax.core.sampling import SamplingConfig
+from spec_jax.drafters.common import draw, hidden_before_pending, last_hidden, tree_log_probs
+from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, TreeOptions, register
+from spec_jax.losses import TargetOutputs, token_loss
+from spec_jax.models.drafter_heads import MedusaConfig, MedusaModel
 from spec_jax.tree import StaticTree, TokenTree, static_tree, tokens_from_topk
 
 
 @struct.dataclass
 class MedusaState:
   hidden_BD: jax.Array  # target hidden state at the position before the pending token
-
-
-def last_hidden(prompt: PromptInfo) -> jax.Array:
-  """[B, D] target hidden state at each prompt's last position."""
-  if prompt.target_hidden_BPD is None:
-    raise ValueError("this drafter needs the target's hidden states (PromptInfo.target_hidden_BPD)")
-  idx_B11 = (prompt.lengths_B - 1)[:, None, None]
-  return jnp.take_along_axis(prompt.target_hidden_BPD, idx_B11, axis=1)[:, 0]
-
-
-def hidden_before_pending(outcome: RoundOutcome, old_BD: jax.Array) -> jax.Array:
-  """[B, D] the verify block's hidden state just before the new pending token (old if none)."""
-  if outcome.target_hidden_BG1D is None:
-    raise ValueError("this drafter needs the target's hidden states "
-                     "(RoundOutcome.target_hidden_BG1D)")
-  idx_B = outcome.new_target_length_B - 1 - outcome.context.position_B
-  width = outcome.target_hidden_BG1D.shape[1]
-  new_BD = jnp.take_along_axis(outcome.target_hidden_BG1D,
-                               jnp.clip(idx_B, 0, width - 1)[:, None, None], axis=1)[:, 0]
-  return jnp.where((idx_B >= 0)[:, None], new_BD, old_BD)  # rows that kept nothing stay
-
-
-def draw(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig):
-  """-> (token [B], warped probs [B, V] it was drawn from, or None when greedy)."""
-  token_B = sample(key, logits_BV, sampling)
-  return token_B, (None if sampling.is_greedy else warped_probs(logits_BV, sampling))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,21 +60,16 @@ class MedusaDrafter(Drafter):
               sampling: SamplingConfig, key: jax.Array):
     logits_BGV = self.model.apply(params, state.hidden_BD[:, None])[:, 0, :gamma]
     keys = jax.random.split(key, gamma)
-    drawn = [draw(keys[g], logits_BGV[:, g], sampling) for g in range(gamma)]
+    drawn, history = [], ctx.history
+    for g in range(gamma):  # head g's draft, processed after the drafts before it
+      drawn.append(draw(keys[g], logits_BGV[:, g], sampling, history))
+      history = None if history is None else history.push(drawn[-1][0])
     tokens_BG = jnp.stack([t for t, _ in drawn], axis=1)
     probs_BGV = None if sampling.is_greedy else jnp.stack([p for _, p in drawn], axis=1)
     return tokens_BG, probs_BGV, state
 
   def commit(self, params, state: MedusaState, outcome: RoundOutcome) -> MedusaState:
     return MedusaState(hidden_before_pending(outcome, state.hidden_BD))
-
-
-def tree_log_probs(logits_NV: jax.Array, sampling: SamplingConfig) -> jax.Array:
-  """What tree drafters rank children by: the warped log-probs, or plain ones when greedy
-  (greedy warping is one-hot, which would leave nothing to rank the other children by)."""
-  if sampling.is_greedy:
-    return jax.nn.log_softmax(logits_NV.astype(jnp.float32), axis=-1)
-  return warp_logits(logits_NV, sampling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +106,53 @@ class MedusaTreeDrafter(TreeDrafter):
   def propose_tree(self, params, state: MedusaState, ctx: DraftContext,
                    sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, MedusaState]:
     spec = self.spec
-    logits_BDV = self.model.apply(params, state.hidden_BD[:, None])[:, 0, :spec.max_depth]
-    candidates_BDK = jax.lax.top_k(tree_log_probs(logits_BDV, sampling), spec.max_rank + 1)[1]
-    return spec.tree(tokens_from_topk(spec, ctx.pending_B, candidates_BDK)), state
+    logits_BRV = self.model.apply(params, state.hidden_BD[:, None])[:, 0, :spec.max_depth]
+    logp_BRV = tree_log_probs(logits_BRV, sampling, ctx.history, jnp.arange(spec.max_depth))
+    candidates_BRC = jax.lax.top_k(logp_BRV, spec.max_rank + 1)[1]
+    return spec.tree(tokens_from_topk(spec, ctx.pending_B, candidates_BRC)), state
 
   def commit(self, params, state: MedusaState, outcome: RoundOutcome) -> MedusaState:
     return MedusaState(hidden_before_pending(outcome, state.hidden_BD))
+
+
+# --- the family ---------------------------------------------------------------------------------
+
+def static_choices(tree: TreeOptions) -> tuple[tuple[int, ...], ...]:
+  """A static (Medusa-style) tree of the same budget: the `nodes - 1` paths of ranks < top_k
+  and length <= depth with the smallest rank sums (shorter first on ties), so every path's
+  parent is in the tree before it."""
+  paths = [p for d in range(1, tree.depth + 1)
+           for p in itertools.product(range(tree.top_k), repeat=d)]
+  paths.sort(key=lambda p: (sum(p), len(p), p))
+  return tuple(paths[:tree.nodes - 1])
+
+
+def medusa_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
+                decay: float = 0.8):
+  """Sum over heads of decay**k * token loss of head k (later heads matter less, as in Medusa).
+  Head k (0-based) reads the target hidden h_t and predicts x_{t+2+k}: target logits at t+1+k."""
+  logits_BTAV = model.apply(params, t.hidden_BTD)
+  total, metrics = 0.0, {}
+  for k in range(logits_BTAV.shape[2]):
+    loss, agree = token_loss(logits_BTAV[:, :, k], t, 2 + k, token)
+    total = total + decay ** k * loss
+    metrics[f"loss_{k + 1}"], metrics[f"agree_{k + 1}"] = loss, agree
+  return total, metrics
+
+
+def _new_model(target, sizes: DrafterSizes):
+  return MedusaModel(MedusaConfig.for_target(target.config, sizes.num_heads))
+
+
+def _model_from_config(config: dict):
+  return MedusaModel(MedusaConfig(**config))
+
+
+register(DrafterFamily(
+    name="medusa", summary="K residual heads on the target's last hidden state (trained)",
+    tree=True,
+    trained=Trained(new_model=_new_model, model_from_config=_model_from_config,
+                    chain=MedusaDrafter,
+                    tree=lambda model, tree: MedusaTreeDrafter(model, static_choices(tree)),
+                    loss=medusa_loss, hidden_width=lambda model: model.config.dim,
+                    max_gamma=lambda model: model.num_heads)))

@@ -52,9 +52,12 @@ import numpy as np
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
-from spec_jax.drafters.eagle import (gather_positions, prompt_features, store_verified_features,
-                                     window_positions)
-from spec_jax.drafters.medusa import draw, tree_log_probs
+from spec_jax.drafters.common import (draw, gather_positions, prompt_features,
+                                     store_verified_features, tree_log_probs, window_positions)
+from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
+from spec_jax.losses import TargetOutputs, positions_of, token_loss
+from spec_jax.models.drafter_heads import MTPConfig, MTPModel
+from spec_jax.models.llama import LlamaConfig
 from spec_jax.core.kv_cache import KVCache, causal_mask, tree_mask
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
@@ -104,7 +107,7 @@ class MTPDrafter(Drafter):
     h_BWD = gather_positions(state.features_BSD, pos_BW)
     cache = state.cache
     drafts_BG = jnp.zeros((pos_B.shape[0], gamma), jnp.int32)
-    probs = []
+    probs, history = [], ctx.history
     for k in range(1, gamma + 1):
       token_pos_BW = pos_BW + k  # module k reads x_{i+k}: known up to x_L, then drafts
       from_draft_BW = gather_positions(drafts_BG, token_pos_BW - pos_B[:, None] - 1)
@@ -112,7 +115,8 @@ class MTPDrafter(Drafter):
                             gather_positions(ctx.seq_BS, token_pos_BW), from_draft_BW)
       logits_BWV, h_BWD, cache = self.model.apply_module(params, k, h_BWD, tokens_BW, pos_BW,
                                                          cache)
-      d_B, q_BV = draw(keys[k - 1], logits_BWV[:, -1], sampling)
+      d_B, q_BV = draw(keys[k - 1], logits_BWV[:, -1], sampling, history)
+      history = None if history is None else history.push(d_B)
       drafts_BG = drafts_BG.at[:, k - 1].set(d_B)
       probs.append(q_BV)
     probs_BGV = None if sampling.is_greedy else jnp.stack(probs, axis=1)
@@ -198,10 +202,10 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
           mask_BTS=jnp.concatenate([causal_mask(wpos_BW, max_len), nmask_BTS], axis=1))
       feats_BMD = feats_BMD.at[:, 0].set(h_BXD[:, win - 1]).at[:, run].set(h_BXD[:, win:])
       level_logits_BTV = logits_BXV[:, win + np.searchsorted(run, ids)]
-      return (tree_log_probs(level_logits_BTV, sampling),
+      return (tree_log_probs(level_logits_BTV, sampling, ctx.history, level.depth),
               (cache, h_BXD[:, :win], feats_BMD, (tokens_BM, parents_BM, anc_BMM)))
 
-    root_logp_BV = tree_log_probs(root_logits_BWV[:, -1], sampling)
+    root_logp_BV = tree_log_probs(root_logits_BWV[:, -1], sampling, ctx.history)
     carry = (cache, win_h_BWD, feats_BMD, block)
     if self.choices is None:
       tree, carry = grow_dynamic_tree(root_logp_BV, ctx.pending_B, expand, carry,
@@ -214,3 +218,38 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
 
   def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
+
+
+# --- the family ---------------------------------------------------------------------------------
+
+def mtp_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl"):
+  """Mean over modules of module k's token loss (DeepSeek-V3 weighs them equally). Module k
+  (1-based): element i = (h^{k-1}_i, x_{i+k}) predicts x_{i+k+1}: target logits at i+k."""
+  batch, length = t.tokens_BT.shape
+  logits_ABTV, _ = model.apply(params, t.hidden_BTD, t.tokens_BT, positions_of(t),
+                               model.init_cache(batch, length))
+  num = logits_ABTV.shape[0]
+  total, metrics = 0.0, {}
+  for k in range(1, num + 1):
+    loss, agree = token_loss(logits_ABTV[k - 1], t, k + 1, token)
+    total = total + loss / num
+    metrics[f"loss_{k}"], metrics[f"agree_{k}"] = loss, agree
+  return total, metrics
+
+
+def _new_model(target, sizes: DrafterSizes):
+  overrides = {} if sizes.hidden is None else {"hidden_dim": sizes.hidden}
+  return MTPModel(MTPConfig.for_target(target.config, sizes.num_heads, **overrides))
+
+
+register(DrafterFamily(
+    name="mtp", summary="DeepSeek-V3-style sequential multi-token-prediction modules (trained)",
+    tree=True,
+    trained=Trained(
+        new_model=_new_model,
+        model_from_config=lambda config: MTPModel(MTPConfig(
+            LlamaConfig.from_dict(config["layer"]), config["num_modules"])),
+        chain=MTPDrafter,
+        tree=lambda model, tree: MTPTreeDrafter(model, tree.depth, tree.top_k, tree.nodes),
+        loss=mtp_loss, hidden_width=lambda model: model.config.layer.dim,
+        max_gamma=lambda model: model.num_modules)))

@@ -23,6 +23,7 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo
 from spec_jax.core.sampling import SamplingConfig
+from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
 
 
 def _shift_right(x_BS: jax.Array, k: int, fill: int) -> jax.Array:
@@ -104,3 +105,11 @@ class PromptLookupDrafter(Drafter):
 
   def empty_rows(self, state: PromptLookupState) -> jax.Array:
     return ~state.found_B
+
+
+def _build(target, target_params, opts: BuildOptions):
+  return PromptLookupDrafter(opts.max_ngram, 1 if opts.min_ngram is None else opts.min_ngram), None
+
+
+register(DrafterFamily(name="prompt_lookup", summary="n-gram lookup in the row's own tokens "
+                       "(on device, deterministic, no params)", build=_build))

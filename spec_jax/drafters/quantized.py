@@ -12,6 +12,7 @@ from typing import Callable
 
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.core.quantize import quantize_params
+from spec_jax.drafters.registry import DrafterFamily, register
 
 
 def quantized_target_drafter(target_model, target_params,
@@ -23,3 +24,9 @@ def quantized_target_drafter(target_model, target_params,
   """
   kw = {} if should_quantize is None else {"should_quantize": should_quantize}
   return DraftModelDrafter(target_model), quantize_params(target_params, **kw)
+
+
+register(DrafterFamily(
+    name="quantized", summary="the target with int8 weights (weight-only, per output channel)",
+    build=lambda target, params, opts: quantized_target_drafter(target, params),
+    combinable=True))

@@ -1,17 +1,11 @@
-"""Distilling drafters from a frozen target: drafter specs, corpora, the trainer, and the
-drafter file format (export after training, load for generation).
+"""Distilling drafters from a frozen target: drafter specs, corpora, the trainer, and export.
 
-Kinds: draft_model (a small separate Llama), medusa (K heads), eagle (one feature-level
-layer), mtp (K DeepSeek-V3 modules). Training is the shared loop of spec_jax.training
-(AdamW, warm-up + cosine, clipping, orbax checkpoints: resumable; the best params by held-out
-loss or acceptance can be kept). `scripts/train_drafter.py` is the command line around this.
-
-A trained drafter is exported as two files in one folder:
-  drafter.json          {"format": FORMAT, "kind": ..., "config": the model's config}
-  drafter.safetensors   its own params (float32, '.'-joined names); Medusa/EAGLE/MTP share
-                        the target's embedding and head, which are not stored
-`load_drafter(folder, target, target_params)` rebuilds the Drafter and its draft params,
-checking the file against the config and the target (vocabulary, width) before use.
+Any trained family in the registry (spec_jax.drafters.registry: draft_model, medusa, eagle,
+mtp, ...) trains here: its `Trained` declaration gives the new model and the loss. Training
+is the shared loop of spec_jax.training (AdamW, warm-up + cosine, clipping, orbax
+checkpoints: resumable; the best params by held-out loss or acceptance can be kept).
+`scripts/train_drafter.py` is the command line around this. The exported file format lives
+with the drafters (spec_jax.drafters.files), so inference loads a drafter without optax.
 """
 
 from __future__ import annotations
@@ -27,30 +21,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spec_jax.models.drafter_heads import (EagleConfig, EagleModel, HeadParams, MedusaConfig,
-                                  MedusaModel, MTPConfig, MTPModel, shared_head)
-from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.models.params_io import CheckpointError
-from spec_jax.drafter_losses import KINDS, make_loss_fn
-from spec_jax.drafters.draft_model import DraftModelDrafter
-from spec_jax.drafters.eagle import EagleDrafter
-from spec_jax.drafters.medusa import MedusaDrafter
-from spec_jax.drafters.mtp import MTPDrafter
-from spec_jax.generate import generate, pad_prompts
-from spec_jax.metrics import summarize
 from spec_jax.core.sampling import SamplingConfig
+from spec_jax.drafters import registry
+from spec_jax.drafters.base import target_with_features
+from spec_jax.drafters.files import (DRAFTER_JSON, DRAFTER_WEIGHTS, FORMAT, describe,  # noqa: F401
+                                     draft_params_for, export_drafter as _export, load_drafter,
+                                     read_drafter)
+from spec_jax.drafters.registry import DrafterSizes
+from spec_jax.generate import generate, pad_prompts
+from spec_jax.losses import target_outputs
+from spec_jax.metrics import summarize
 from spec_jax.speculative import speculative_generate
-from spec_jax.training import TrainState, make_optimizer, make_train_step, train_loop
+from spec_jax.training.loop import TrainState, make_optimizer, make_train_step, train_loop
 
 # --- drafters ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class DrafterSpec:
-  """A drafter kind bound to a target: its model handle, its Drafter, how params combine."""
+  """A trained family's new model, bound to a target: its handle and its chain drafter."""
   kind: str
-  model: Any  # MedusaModel / EagleModel / MTPModel / LlamaModel (the draft model)
-  drafter: Any
-  max_gamma: int | None  # None: any gamma
+  model: Any
+
+  @property
+  def trained(self) -> registry.Trained:
+    return registry.trained_family(self.kind).trained
+
+  @property
+  def drafter(self):
+    return self.trained.chain(self.model)
+
+  @property
+  def max_gamma(self) -> int | None:
+    return None if self.trained.max_gamma is None else self.trained.max_gamma(self.model)
 
   def init_params(self, key: jax.Array):
     """Trainable params, as a plain nested dict (what optax and orbax handle best)."""
@@ -59,40 +61,39 @@ class DrafterSpec:
 
   def draft_params(self, own, target, target_params):
     """What speculative_generate takes as draft_params."""
-    if self.kind == "draft_model":
-      return own
-    return HeadParams(own, shared_head(target, target_params))
+    return draft_params_for(self.kind, own, target, target_params)
 
   def describe(self) -> dict:
-    cfg = self.model.config
-    return {"kind": self.kind, "config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
+    return describe(self.kind, self.model)
 
 
-def make_spec(kind: str, target: LlamaModel, *, num_heads: int = 4, draft_dim: int | None = None,
+def make_spec(kind: str, target, *, num_heads: int = 4, draft_dim: int | None = None,
               draft_layers: int = 1, draft_hidden: int | None = None) -> DrafterSpec:
-  """Builds the drafter of `kind` shaped for `target` (num_heads: Medusa heads / MTP modules)."""
-  cfg = target.config
-  if kind == "medusa":
-    model = MedusaModel(MedusaConfig.for_target(cfg, num_heads))
-    return DrafterSpec(kind, model, MedusaDrafter(model), num_heads)
-  if kind == "eagle":
-    overrides = {} if draft_hidden is None else {"hidden_dim": draft_hidden}
-    model = EagleModel(EagleConfig.for_target(cfg, **overrides))
-    return DrafterSpec(kind, model, EagleDrafter(model), None)
-  if kind == "mtp":
-    overrides = {} if draft_hidden is None else {"hidden_dim": draft_hidden}
-    model = MTPModel(MTPConfig.for_target(cfg, num_heads, **overrides))
-    return DrafterSpec(kind, model, MTPDrafter(model), num_heads)
-  if kind == "draft_model":
-    dim = draft_dim or max(cfg.dim // 2, 8)
-    head_dim = cfg.resolved_head_dim
-    heads = max(1, dim // head_dim)
-    small = dataclasses.replace(cfg, dim=dim, n_layers=draft_layers, n_heads=heads,
-                                n_kv_heads=heads // 2 if heads % 2 == 0 else heads,
-                                head_dim=head_dim, hidden_dim=draft_hidden or 2 * dim)
-    model = LlamaModel(small)
-    return DrafterSpec(kind, model, DraftModelDrafter(model), None)
-  raise ValueError(f"unknown drafter kind {kind!r}; one of {', '.join(KINDS)}")
+  """A new drafter of a trained `kind` shaped for `target` (num_heads: Medusa heads / MTP
+  modules; draft_*: the draft model's width, layers, MLP width; each family reads its own)."""
+  sizes = DrafterSizes(num_heads, draft_dim, draft_layers, draft_hidden)
+  return DrafterSpec(kind, registry.trained_family(kind).trained.new_model(target, sizes))
+
+
+def make_loss_fn(kind: str, target, model, **options):
+  """-> loss_fn(params, batch, rng) for spec_jax.training.make_train_step.
+
+  `params` are the drafter's trainable params; `batch` is {"tokens": [B, T] int32,
+  "target_params": the frozen target's params, optional "mask": [B, T]}. The target runs
+  inside the step (its params a traced argument, never a baked-in constant); families that
+  share the target's embedding and head get them through HeadParams.
+  """
+  trained = registry.trained_family(kind).trained
+  # families reading several target layers get them in TargetOutputs.hidden_BTD (after the
+  # last hidden state), as the generation loops give them to the drafter
+  target = target_with_features(target, trained.chain(model))
+
+  def loss_fn(params, batch, rng):
+    t = target_outputs(target, batch["target_params"], batch["tokens"], batch.get("mask"))
+    return trained.loss(model, draft_params_for(kind, params, target, batch["target_params"]),
+                        t, rng, **options)
+
+  return loss_fn
 
 
 # --- corpus -----------------------------------------------------------------------------------
@@ -247,109 +248,8 @@ def write_description(checkpoint_dir: str, spec: DrafterSpec, args: dict) -> Non
     json.dump(dict(spec.describe(), args=args), f, indent=2, sort_keys=True, default=str)
 
 
-# --- the drafter file format ------------------------------------------------------------------
-
-FORMAT = "spec_jax-drafter"
-DRAFTER_JSON = "drafter.json"
-DRAFTER_WEIGHTS = "drafter.safetensors"
-
-
-def _model_from_config(kind: str, config: dict):
-  if kind == "medusa":
-    return MedusaModel(MedusaConfig(**config))
-  if kind == "eagle":
-    return EagleModel(EagleConfig(LlamaConfig.from_dict(config["layer"])))
-  if kind == "mtp":
-    return MTPModel(MTPConfig(LlamaConfig.from_dict(config["layer"]), config["num_modules"]))
-  if kind == "draft_model":
-    return LlamaModel(LlamaConfig.from_dict(config))
-  raise CheckpointError(f"unknown drafter kind {kind!r}; one of {', '.join(KINDS)}")
-
-
-def _drafter_for(kind: str, model):
-  return {"medusa": MedusaDrafter, "eagle": EagleDrafter, "mtp": MTPDrafter,
-          "draft_model": DraftModelDrafter}[kind](model)
-
-
-def _abstract_own(model):
-  params = model.abstract_params()
-  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-
-
-def _name(path) -> str:
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
+# --- export -----------------------------------------------------------------------------------
 
 def export_drafter(folder: str | os.PathLike, spec: DrafterSpec, own) -> Path:
-  """Writes drafter.json and drafter.safetensors (the drafter's own params) into `folder`."""
-  import safetensors.numpy
-  folder = Path(folder)
-  folder.mkdir(parents=True, exist_ok=True)
-  tensors = {_name(path): np.ascontiguousarray(np.asarray(leaf, np.float32))
-             for path, leaf in jax.tree_util.tree_leaves_with_path(own)}
-  tmp = folder / (DRAFTER_WEIGHTS + ".tmp")
-  safetensors.numpy.save_file(tensors, str(tmp), metadata={"format": FORMAT})
-  tmp.replace(folder / DRAFTER_WEIGHTS)
-  (folder / DRAFTER_JSON).write_text(json.dumps(
-      {"format": FORMAT, **spec.describe()}, indent=2, sort_keys=True) + "\n")
-  return folder
-
-
-def read_drafter(folder: str | os.PathLike) -> tuple[str, Any, Any]:
-  """-> (kind, model handle, own params), validated against the stored config."""
-  import safetensors
-  folder = Path(folder)
-  missing = [f for f in (DRAFTER_JSON, DRAFTER_WEIGHTS) if not (folder / f).is_file()]
-  if missing:
-    raise CheckpointError(f"{folder}: not an exported drafter (missing {', '.join(missing)}; "
-                          "scripts/train_drafter.py --export-dir writes them)")
-  try:
-    meta = json.loads((folder / DRAFTER_JSON).read_text())
-    kind, config = meta["kind"], meta["config"]
-    model = _model_from_config(kind, config)
-  except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-    raise CheckpointError(f"{folder / DRAFTER_JSON}: malformed drafter description ({e})") from e
-  path = folder / DRAFTER_WEIGHTS
-  try:
-    with safetensors.safe_open(str(path), framework="numpy") as f:
-      flat = {name: f.get_tensor(name) for name in f.keys()}
-  except (safetensors.SafetensorError, OSError) as e:
-    raise CheckpointError(f"{path}: truncated or malformed safetensors file ({e})") from e
-  abstract = _abstract_own(model)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-  expected = {_name(p): leaf for p, leaf in leaves}
-  if set(expected) != set(flat):
-    raise CheckpointError(f"{path}: parameters do not match the {kind} config: missing "
-                          f"{sorted(set(expected) - set(flat))[:6]}, unexpected "
-                          f"{sorted(set(flat) - set(expected))[:6]}")
-  for name, leaf in expected.items():
-    if tuple(flat[name].shape) != tuple(leaf.shape):
-      raise CheckpointError(f"{path}: {name} has shape {tuple(flat[name].shape)}, the config "
-                            f"expects {tuple(leaf.shape)}")
-    if not np.all(np.isfinite(flat[name])):
-      raise CheckpointError(f"{path}: {name} has non-finite values")
-  own = jax.tree_util.tree_unflatten(
-      treedef, [jnp.asarray(flat[_name(p)], leaf.dtype) for p, leaf in leaves])
-  return kind, model, own
-
-
-def check_drafter_fits(kind: str, model, target) -> None:
-  """The target a drafter was trained for must match in vocabulary (and, for heads that read
-  the target's hidden states, in width)."""
-  if model.vocab_size != target.vocab_size:
-    raise ValueError(f"{kind} drafter vocabulary {model.vocab_size} != target vocabulary "
-                     f"{target.vocab_size}: it was trained for another target")
-  width = {"medusa": lambda: model.config.dim, "eagle": lambda: model.config.layer.dim,
-           "mtp": lambda: model.config.layer.dim}.get(kind)
-  if width is not None and width() != target.config.dim:
-    raise ValueError(f"{kind} drafter reads hidden states of width {width()}, the target's are "
-                     f"{target.config.dim}: it was trained for another target")
-
-
-def load_drafter(folder: str | os.PathLike, target, target_params):
-  """An exported drafter for `target` -> (kind, model handle, draft params for generation)."""
-  kind, model, own = read_drafter(folder)
-  check_drafter_fits(kind, model, target)
-  if kind == "draft_model":
-    return kind, model, own
-  return kind, model, HeadParams(own, shared_head(target, target_params))
+  """Writes the trained drafter in the drafter file format (spec_jax.drafters.files)."""
+  return _export(folder, spec.kind, spec.model, own)

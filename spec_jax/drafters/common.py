@@ -1,0 +1,136 @@
+"""What several drafter families share, written once: drawing a draft from warped logits, the
+autoregressive draft scan, ranking tree children, and target-feature bookkeeping."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.core.sampling import (SamplingConfig, TokenHistory, process_logits, sample,
+                                    warp_logits, warped_probs)
+from spec_jax.drafters.base import PromptInfo, RoundOutcome
+
+
+def draw(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig,
+         history: TokenHistory | None = None):
+  """-> (token [B], the warped probs [B, V] it was drawn from, or None when greedy).
+
+  With a history (DraftContext.history, pushed past the earlier drafts) the logits are
+  first processed as the target's are (penalties, min_new_tokens), so drafts agree more.
+  """
+  logits_BV = process_logits(logits_BV, sampling, history)
+  token_B = sample(key, logits_BV, sampling)
+  return token_B, (None if sampling.is_greedy else warped_probs(logits_BV, sampling))
+
+
+def autoregressive_drafts(step: Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]],
+                          carry, first_logits_BV: jax.Array, gamma: int,
+                          sampling: SamplingConfig, key: jax.Array,
+                          history: TokenHistory | None = None):
+  """Draws d_1 from `first_logits_BV`, then d_2..d_gamma in a lax.scan.
+
+  `step(carry, token_B, offset) -> (carry, logits_BV)` feeds draft `offset` (1-based) to the
+  drafter and returns its logits for the next one. Each draft is drawn from its own warped
+  distribution given the context and the earlier drafts only, as the lossless contract asks
+  (processed with `history`, the round's DraftContext.history, pushed past each draft).
+  -> (tokens [B, gamma], probs [B, gamma, V] or None when greedy, final carry).
+  """
+  keys = jax.random.split(key, gamma)
+  first_B, first_probs_BV = draw(keys[0], first_logits_BV, sampling, history)
+  history = None if history is None else history.push(first_B)
+
+  def scan_step(state, inputs):
+    carry, token_B, history = state
+    step_key, offset = inputs
+    carry, logits_BV = step(carry, token_B, offset)
+    next_B, probs_BV = draw(step_key, logits_BV, sampling, history)
+    history = None if history is None else history.push(next_B)
+    return (carry, next_B, history), (next_B, probs_BV)
+
+  (carry, _, _), (rest_GB, rest_probs_GBV) = jax.lax.scan(
+      scan_step, (carry, first_B, history), (keys[1:], jnp.arange(1, gamma, dtype=jnp.int32)))
+  tokens_BG = jnp.concatenate([first_B[:, None], rest_GB.T], axis=1)
+  probs_BGV = None
+  if not sampling.is_greedy:
+    probs_BGV = jnp.concatenate([first_probs_BV[:, None], rest_probs_GBV.transpose(1, 0, 2)], 1)
+  return tokens_BG, probs_BGV, carry
+
+
+def tree_log_probs(logits_NV: jax.Array, sampling: SamplingConfig,
+                   history: TokenHistory | None = None, depth=0) -> jax.Array:
+  """What tree drafters rank children by: the warped log-probs, or plain ones when greedy
+  (greedy warping is one-hot, which would leave nothing to rank the other children by).
+
+  With the round's history the logits are processed first: the root's ([B, V], depth 0)
+  exactly as the target's; a level's ([B, T, V], its nodes at `depth`, an int or [T]) with
+  the round's counts (not each node's path: any ranking keeps trees lossless).
+  """
+  if history is not None:
+    logits_NV = process_logits(logits_NV, sampling,
+                               history if logits_NV.ndim == 2 else history.ahead(depth))
+  if sampling.is_greedy:
+    return jax.nn.log_softmax(logits_NV.astype(jnp.float32), axis=-1)
+  return warp_logits(logits_NV, sampling)
+
+
+# --- target features ---------------------------------------------------------------------------
+
+def _needs_hidden(what: str):
+  return ValueError(f"this drafter needs the target's hidden states ({what})")
+
+
+def last_hidden(prompt: PromptInfo) -> jax.Array:
+  """[B, D] target hidden state at each prompt's last position."""
+  if prompt.target_hidden_BPD is None:
+    raise _needs_hidden("PromptInfo.target_hidden_BPD")
+  idx_B11 = (prompt.lengths_B - 1)[:, None, None]
+  return jnp.take_along_axis(prompt.target_hidden_BPD, idx_B11, axis=1)[:, 0]
+
+
+def hidden_before_pending(outcome: RoundOutcome, old_BD: jax.Array) -> jax.Array:
+  """[B, D] the verify block's hidden state just before the new pending token (old if none)."""
+  if outcome.target_hidden_BG1D is None:
+    raise _needs_hidden("RoundOutcome.target_hidden_BG1D")
+  idx_B = outcome.new_target_length_B - 1 - outcome.context.position_B
+  width = outcome.target_hidden_BG1D.shape[1]
+  new_BD = jnp.take_along_axis(outcome.target_hidden_BG1D,
+                               jnp.clip(idx_B, 0, width - 1)[:, None, None], axis=1)[:, 0]
+  return jnp.where((idx_B >= 0)[:, None], new_BD, old_BD)  # rows that kept nothing stay
+
+
+def prompt_features(prompt: PromptInfo, dtype=None) -> jax.Array:
+  """[B, cache_len, D] target features by position, filled with the prompt's."""
+  hidden_BPD = prompt.target_hidden_BPD
+  if hidden_BPD is None:
+    raise _needs_hidden("PromptInfo.target_hidden_BPD")
+  batch, width, dim = hidden_BPD.shape
+  features_BSD = jnp.zeros((batch, prompt.cache_len, dim), dtype or hidden_BPD.dtype)
+  return features_BSD.at[:, :width].set(hidden_BPD.astype(features_BSD.dtype))
+
+
+def store_verified_features(features_BSD: jax.Array, outcome: RoundOutcome) -> jax.Array:
+  """Writes the verify pass's features at positions L..L+gamma, only those the target kept."""
+  hidden_BG1D = outcome.target_hidden_BG1D
+  if hidden_BG1D is None:
+    raise _needs_hidden("RoundOutcome.target_hidden_BG1D")
+  batch, width, _ = hidden_BG1D.shape
+  pos_BG1 = outcome.context.position_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+  slots_BG1 = jnp.where(pos_BG1 < outcome.new_target_length_B[:, None], pos_BG1,
+                        features_BSD.shape[1])  # beyond the kept tokens: dropped
+  return features_BSD.at[jnp.arange(batch)[:, None], slots_BG1].set(
+      hidden_BG1D.astype(features_BSD.dtype), mode="drop")
+
+
+def window_positions(position_B: jax.Array, width: int) -> jax.Array:
+  """[B, width] positions L-width .. L-1 (negative ones are padding, never stored)."""
+  return position_B[:, None] - width + jnp.arange(width, dtype=jnp.int32)[None, :]
+
+
+def gather_positions(x_BS, positions_BW):
+  """x[b, positions[b, w]] for [B, S] or [B, S, D] buffers, positions clipped into range."""
+  idx_BW = jnp.clip(positions_BW, 0, x_BS.shape[1] - 1)
+  if x_BS.ndim == 3:
+    return jnp.take_along_axis(x_BS, idx_BW[:, :, None], axis=1)
+  return jnp.take_along_axis(x_BS, idx_BW, axis=1)

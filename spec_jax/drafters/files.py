@@ -1,0 +1,123 @@
+"""The trained-drafter file format: export after training, read and check for generation.
+
+A trained drafter is two files in one folder:
+  drafter.json          {"format": FORMAT, "kind": ..., "config": the model's config}
+  drafter.safetensors   its own params (float32, '.'-joined names); families that read the
+                        target's embedding and head (Medusa, EAGLE, MTP) do not store them
+
+How each kind builds its model from the config, and which target widths it must match, is
+declared by its family (spec_jax.drafters.registry.Trained). Inference imports this module;
+it needs safetensors, never optax or orbax.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_names, path_to_name
+from spec_jax.drafters import registry
+from spec_jax.drafters.base import check_feature_layers
+from spec_jax.models.drafter_heads import HeadParams, shared_head
+from spec_jax.models.params_io import CheckpointError
+
+FORMAT = "spec_jax-drafter"
+DRAFTER_JSON = "drafter.json"
+DRAFTER_WEIGHTS = "drafter.safetensors"
+
+
+def abstract_own(model):
+  """The model's own (stored) params as abstract arrays, in a plain nested dict."""
+  from flax import nnx
+  params = model.abstract_params()
+  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def describe(kind: str, model) -> dict:
+  config = registry.trained_family(kind).trained.config_of(model)
+  return {"kind": kind, "config": json.loads(json.dumps(config))}
+
+
+def draft_params_for(kind: str, own, target, target_params):
+  """What the generation loops take as draft_params: the own params, plus the target's
+  embedding and head for families that share them."""
+  if not registry.trained_family(kind).trained.reads_target_head:
+    return own
+  return HeadParams(own, shared_head(target, target_params))
+
+
+def export_drafter(folder: str | os.PathLike, kind: str, model, own) -> Path:
+  """Writes drafter.json and drafter.safetensors (the drafter's own params) into `folder`."""
+  import safetensors.numpy
+  folder = Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  tensors = {name: np.ascontiguousarray(np.asarray(leaf, np.float32))
+             for name, leaf in flatten_with_names(own).items()}
+  tmp = folder / (DRAFTER_WEIGHTS + ".tmp")
+  safetensors.numpy.save_file(tensors, str(tmp), metadata={"format": FORMAT})
+  tmp.replace(folder / DRAFTER_WEIGHTS)
+  (folder / DRAFTER_JSON).write_text(json.dumps(
+      {"format": FORMAT, **describe(kind, model)}, indent=2, sort_keys=True) + "\n")
+  return folder
+
+
+def read_drafter(folder: str | os.PathLike) -> tuple[str, Any, Any]:
+  """-> (kind, model handle, own params), validated against the stored config."""
+  import safetensors
+  folder = Path(folder)
+  missing = [f for f in (DRAFTER_JSON, DRAFTER_WEIGHTS) if not (folder / f).is_file()]
+  if missing:
+    raise CheckpointError(f"{folder}: not an exported drafter (missing {', '.join(missing)}; "
+                          "scripts/train_drafter.py --export-dir writes them)")
+  try:
+    meta = json.loads((folder / DRAFTER_JSON).read_text())
+    kind, config = meta["kind"], meta["config"]
+    fam = registry.trained_family(kind) if isinstance(kind, str) else None
+    if fam is None:
+      raise ValueError(f"kind {kind!r} is not a string")
+    model = fam.trained.model_from_config(config)
+  except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+    raise CheckpointError(f"{folder / DRAFTER_JSON}: malformed drafter description ({e})") from e
+  path = folder / DRAFTER_WEIGHTS
+  try:
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+      flat = {name: f.get_tensor(name) for name in f.keys()}
+  except (safetensors.SafetensorError, OSError) as e:
+    raise CheckpointError(f"{path}: truncated or malformed safetensors file ({e})") from e
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_own(model))
+  check_names_and_shapes({path_to_name(p): leaf for p, leaf in leaves}, flat, source=str(path),
+                         error=CheckpointError, expected_by=f"the {kind} config")
+  for name, value in flat.items():
+    if not np.all(np.isfinite(value)):
+      raise CheckpointError(f"{path}: {name} has non-finite values")
+  own = jax.tree_util.tree_unflatten(
+      treedef, [jnp.asarray(flat[path_to_name(p)], leaf.dtype) for p, leaf in leaves])
+  return kind, model, own
+
+
+def check_drafter_fits(kind: str, model, target) -> None:
+  """The target a drafter was trained for must match in vocabulary (and, for families that
+  read the target's hidden states, in width)."""
+  if model.vocab_size != target.vocab_size:
+    raise ValueError(f"{kind} drafter vocabulary {model.vocab_size} != target vocabulary "
+                     f"{target.vocab_size}: it was trained for another target")
+  width_of = registry.trained_family(kind).trained.hidden_width
+  if width_of is not None and width_of(model) != target.config.dim:
+    raise ValueError(f"{kind} drafter reads hidden states of width {width_of(model)}, the "
+                     f"target's are {target.config.dim}: it was trained for another target")
+  # families conditioned on several target layers: those layers must exist in this target
+  check_feature_layers(registry.trained_family(kind).trained.chain(model).feature_layers, target,
+                       f"{kind} drafter")
+
+
+def load_drafter(folder: str | os.PathLike, target, target_params):
+  """An exported drafter for `target` -> (kind, model handle, draft params for generation)."""
+  kind, model, own = read_drafter(folder)
+  check_drafter_fits(kind, model, target)
+  return kind, model, draft_params_for(kind, own, target, target_params)
