@@ -14,10 +14,14 @@ as the verifier should try them. Per row:
 Every row has the same N and the same static `max_depth` (so the accepted path has a fixed
 shape); rows differ in their tokens and, for dynamic trees, their structure.
 
+Shape letters (spec_jax.core): N nodes, R depth, C children per expanded node (top_k ranks),
+M block slots; local to this module: X all candidates of a dynamic tree, Y the C * C
+children of one level, Z the N - 1 drafted (non-root) nodes.
+
 Builders:
   * static (Medusa-style) trees from "choices": paths of top-k ranks, e.g.
     [(0,), (1,), (0, 0), (0, 1), (1, 0)]; `tokens_from_topk` fills one from per-depth
-    candidates [B, depth, k] (Medusa heads), `grow_static_tree` from a model that is run on
+    candidates [B, depth, top_k] (Medusa heads), `grow_static_tree` from a model that is run on
     each level of the tree (children = top-k of the node's own draft distribution);
   * dynamic (EAGLE-2-style) trees, `grow_dynamic_tree`: each depth expands the top_k nodes
     of the previous depth with the best cumulative draft log-prob, then the num_nodes - 1
@@ -136,18 +140,18 @@ def static_tree(choices: Sequence[Sequence[int]]) -> StaticTree:
 
 
 def tokens_from_topk(spec: StaticTree, pending_B: jax.Array,
-                     candidates_BDK: jax.Array) -> jax.Array:
+                     candidates_BRC: jax.Array) -> jax.Array:
   """[B, N] tokens: the node at depth d with rank r takes candidates[:, d - 1, r].
 
   Medusa-style: each depth has its own top-k candidates (one head per depth), whatever the
   parent; the root is the pending token.
   """
-  if candidates_BDK.shape[1] < spec.max_depth or candidates_BDK.shape[2] <= spec.max_rank:
-    raise ValueError(f"candidates {candidates_BDK.shape} too small for a tree of depth "
+  if candidates_BRC.shape[1] < spec.max_depth or candidates_BRC.shape[2] <= spec.max_rank:
+    raise ValueError(f"candidates {candidates_BRC.shape} too small for a tree of depth "
                      f"{spec.max_depth} and ranks up to {spec.max_rank}")
   depth_idx = np.maximum(np.array(spec.depths[1:]) - 1, 0)
-  drafts_BM = candidates_BDK[:, depth_idx, np.array(spec.ranks[1:])]
-  return jnp.concatenate([pending_B[:, None], drafts_BM], axis=1).astype(jnp.int32)
+  drafts_BZ = candidates_BRC[:, depth_idx, np.array(spec.ranks[1:])]
+  return jnp.concatenate([pending_B[:, None], drafts_BZ], axis=1).astype(jnp.int32)
 
 
 # --- growing trees with a drafter -------------------------------------------------------------
@@ -170,10 +174,10 @@ class Expansion:
 ExpandFn = Callable[[object, Expansion], tuple[jax.Array, object]]
 
 
-def _best(score_BC: jax.Array, count: int) -> jax.Array:
-  """Indices of the `count` highest scores per row; ties go to the lower index."""
-  iota_BC = jnp.broadcast_to(jnp.arange(score_BC.shape[1], dtype=jnp.int32), score_BC.shape)
-  return jax.lax.sort((-score_BC, iota_BC), dimension=1, num_keys=2)[1][:, :count]
+def _best(score_BX: jax.Array, count: int) -> jax.Array:
+  """Indices of the `count` highest of X scores per row; ties go to the lower index."""
+  iota_BX = jnp.broadcast_to(jnp.arange(score_BX.shape[1], dtype=jnp.int32), score_BX.shape)
+  return jax.lax.sort((-score_BX, iota_BX), dimension=1, num_keys=2)[1][:, :count]
 
 
 def dynamic_tree_candidates(depth: int, top_k: int) -> int:
@@ -208,53 +212,53 @@ def grow_dynamic_tree(root_logp_BV: jax.Array, pending_B: jax.Array, expand_fn: 
   batch = root_logp_BV.shape[0]
   k = top_k
   num_block = 1 + (depth - 1) * k
-  logp_BK, tokens_BK = jax.lax.top_k(root_logp_BV, k)
-  score_BK = jnp.minimum(logp_BK, 0.0)
-  cand_tokens, cand_scores = [tokens_BK], [score_BK]
+  logp_BC, tokens_BC = jax.lax.top_k(root_logp_BV, k)
+  score_BC = jnp.minimum(logp_BC, 0.0)
+  cand_tokens, cand_scores = [tokens_BC], [score_BC]
   cand_parents = [jnp.full((batch, k), -1, jnp.int32)]
   cand_depths = [np.full(k, 1, np.int32)]
-  frontier_cand_BK = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
-  frontier_parent_BK = jnp.zeros((batch, k), jnp.int32)  # block slot of the parent (root)
-  block_K = 1 + np.arange(k, dtype=np.int32)
-  anc_BKM = jnp.broadcast_to(
-      (np.arange(num_block)[None, :] == 0) | (np.arange(num_block)[None, :] == block_K[:, None]),
+  frontier_cand_BC = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (batch, k))
+  frontier_parent_BC = jnp.zeros((batch, k), jnp.int32)  # block slot of the parent (root)
+  block_C = 1 + np.arange(k, dtype=np.int32)
+  anc_BCM = jnp.broadcast_to(
+      (np.arange(num_block)[None, :] == 0) | (np.arange(num_block)[None, :] == block_C[:, None]),
       (batch, k, num_block))
   offset = k
   for d in range(2, depth + 1):
-    expansion = Expansion(tokens_BK, anc_BKM, frontier_parent_BK, block_K, d - 1)
-    child_logp_BKV, carry = expand_fn(carry, expansion)
-    child_logp_BKK, child_tokens_BKK = jax.lax.top_k(child_logp_BKV, k)
-    child_score_BQ = (score_BK[:, :, None] + jnp.minimum(child_logp_BKK, 0.0)).reshape(batch, k * k)
-    child_tokens_BQ = child_tokens_BKK.reshape(batch, k * k)
-    cand_tokens.append(child_tokens_BQ)
-    cand_scores.append(child_score_BQ)
-    cand_parents.append(jnp.repeat(frontier_cand_BK, k, axis=1))
+    expansion = Expansion(tokens_BC, anc_BCM, frontier_parent_BC, block_C, d - 1)
+    child_logp_BCV, carry = expand_fn(carry, expansion)
+    child_logp_BCC, child_tokens_BCC = jax.lax.top_k(child_logp_BCV, k)
+    child_score_BY = (score_BC[:, :, None] + jnp.minimum(child_logp_BCC, 0.0)).reshape(batch, k * k)
+    child_tokens_BY = child_tokens_BCC.reshape(batch, k * k)
+    cand_tokens.append(child_tokens_BY)
+    cand_scores.append(child_score_BY)
+    cand_parents.append(jnp.repeat(frontier_cand_BC, k, axis=1))
     cand_depths.append(np.full(k * k, d, np.int32))
     if d < depth:  # the next frontier: the best top_k children of this depth
-      pick_BK = _best(child_score_BQ, k)
-      parent_row_BK = pick_BK // k  # which frontier node each one hangs from
-      tokens_BK = jnp.take_along_axis(child_tokens_BQ, pick_BK, axis=1)
-      score_BK = jnp.take_along_axis(child_score_BQ, pick_BK, axis=1)
-      frontier_cand_BK = offset + pick_BK
-      frontier_parent_BK = jnp.asarray(block_K)[parent_row_BK]
-      block_K = 1 + (d - 1) * k + np.arange(k, dtype=np.int32)
-      own_KM = np.arange(num_block)[None, :] == block_K[:, None]
-      anc_BKM = jnp.take_along_axis(anc_BKM, parent_row_BK[:, :, None], axis=1) | own_KM
+      pick_BC = _best(child_score_BY, k)
+      parent_row_BC = pick_BC // k  # which frontier node each one hangs from
+      tokens_BC = jnp.take_along_axis(child_tokens_BY, pick_BC, axis=1)
+      score_BC = jnp.take_along_axis(child_score_BY, pick_BC, axis=1)
+      frontier_cand_BC = offset + pick_BC
+      frontier_parent_BC = jnp.asarray(block_C)[parent_row_BC]
+      block_C = 1 + (d - 1) * k + np.arange(k, dtype=np.int32)
+      own_CM = np.arange(num_block)[None, :] == block_C[:, None]
+      anc_BCM = jnp.take_along_axis(anc_BCM, parent_row_BC[:, :, None], axis=1) | own_CM
     offset += k * k
 
-  scores_BC = jnp.concatenate(cand_scores, axis=1)
+  scores_BX = jnp.concatenate(cand_scores, axis=1)
   # chosen candidates in index order: depth by depth, so parents precede children
-  chosen_BM = jnp.sort(_best(scores_BC, num_nodes - 1), axis=1)
-  tokens_BM = jnp.take_along_axis(jnp.concatenate(cand_tokens, axis=1), chosen_BM, axis=1)
-  parent_cand_BM = jnp.take_along_axis(jnp.concatenate(cand_parents, axis=1), chosen_BM, axis=1)
+  chosen_BZ = jnp.sort(_best(scores_BX, num_nodes - 1), axis=1)
+  tokens_BZ = jnp.take_along_axis(jnp.concatenate(cand_tokens, axis=1), chosen_BZ, axis=1)
+  parent_cand_BZ = jnp.take_along_axis(jnp.concatenate(cand_parents, axis=1), chosen_BZ, axis=1)
   # node index of the parent: 1 + its rank among the chosen (its parent is always chosen)
-  parent_node_BM = 1 + jnp.sum(chosen_BM[:, None, :] < parent_cand_BM[:, :, None], axis=2)
-  parent_node_BM = jnp.where(parent_cand_BM < 0, 0, parent_node_BM).astype(jnp.int32)
-  depth_BM = jnp.asarray(np.concatenate(cand_depths))[chosen_BM]
+  parent_node_BZ = 1 + jnp.sum(chosen_BZ[:, None, :] < parent_cand_BZ[:, :, None], axis=2)
+  parent_node_BZ = jnp.where(parent_cand_BZ < 0, 0, parent_node_BZ).astype(jnp.int32)
+  depth_BZ = jnp.asarray(np.concatenate(cand_depths))[chosen_BZ]
   tree = TokenTree(
-      jnp.concatenate([pending_B[:, None], tokens_BM], axis=1).astype(jnp.int32),
-      jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parent_node_BM], axis=1),
-      jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), depth_BM], axis=1), depth)
+      jnp.concatenate([pending_B[:, None], tokens_BZ], axis=1).astype(jnp.int32),
+      jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parent_node_BZ], axis=1),
+      jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), depth_BZ], axis=1), depth)
   return tree, carry
 
 
@@ -270,13 +274,13 @@ def grow_static_tree(spec: StaticTree, root_logp_BV: jax.Array, pending_B: jax.A
   anc_NN = spec.ancestors()
   parents_N = np.array(spec.parents)
   tokens_BN = jnp.zeros((batch, spec.num_nodes), jnp.int32).at[:, 0].set(pending_B)
-  # children_BTK[b, t] = best `width` children of the t-th node of the previous level
-  children_BTK = jax.lax.top_k(root_logp_BV, width)[1][:, None, :]
-  expanded = np.array([0], np.int32)  # the nodes whose children are in children_BTK
+  # children_BTC[b, t] = best `width` children of the t-th node of the previous level
+  children_BTC = jax.lax.top_k(root_logp_BV, width)[1][:, None, :]
+  expanded = np.array([0], np.int32)  # the nodes whose children are in children_BTC
   for d in range(1, spec.max_depth + 1):
     nodes = spec.nodes_at(d)
-    row = np.searchsorted(expanded, parents_N[nodes])  # the parent's row in children_BTK
-    tokens_BN = tokens_BN.at[:, nodes].set(children_BTK[:, row, np.array(spec.ranks)[nodes]])
+    row = np.searchsorted(expanded, parents_N[nodes])  # the parent's row in children_BTC
+    tokens_BN = tokens_BN.at[:, nodes].set(children_BTC[:, row, np.array(spec.ranks)[nodes]])
     if d == spec.max_depth:
       break
     expanded = np.unique(parents_N[spec.nodes_at(d + 1)]).astype(np.int32)  # leaves: not run
@@ -284,7 +288,7 @@ def grow_static_tree(spec: StaticTree, root_logp_BV: jax.Array, pending_B: jax.A
     parent_BT = jnp.broadcast_to(jnp.asarray(parents_N[expanded]), (batch, len(expanded)))
     expansion = Expansion(tokens_BN[:, expanded], anc_BTN, parent_BT, expanded, d)
     logp_BTV, carry = expand_fn(carry, expansion)
-    children_BTK = jax.lax.top_k(logp_BTV, width)[1]
+    children_BTC = jax.lax.top_k(logp_BTV, width)[1]
   return spec.tree(tokens_BN), carry
 
 

@@ -8,7 +8,7 @@ One tree round, fixed shapes whatever each row accepts:
   4. compact: slot L+d <- slot L+path[d] in every layer (gather, then scatter), so the cache
               is laid out as if the accepted path had been a chain; then the chain's commit
               (tokens, budgets, EOS, cache length, drafter commit, metrics) runs unchanged,
-              with the drafter told the path (RoundOutcome.tree_path_BD1).
+              with the drafter told the path (RoundOutcome.tree_path_BR1).
 The loop, prefill, output and metrics are speculative.py's (SpeculativeProgram with this
 round; its `gamma` is the tree's max depth, the most drafts a round can accept).
 """
@@ -28,27 +28,27 @@ from spec_jax.speculative import SpecState, speculative_jit, commit_round, prepa
 from spec_jax.tree_verify import verify_tree
 
 
-def compact_path(cache: KVCache, start_B: jax.Array, path_BD1: jax.Array) -> KVCache:
+def compact_path(cache: KVCache, start_B: jax.Array, path_BR1: jax.Array) -> KVCache:
   """Moves the accepted path's entries to consecutive slots: slot start+d <- start+path[d].
 
   All sources are read before any write, so a path may read a slot it also overwrites.
   Padding entries of the path (past the accepted length) copy the root into stale slots.
   """
-  depth_D1 = jnp.arange(path_BD1.shape[1], dtype=jnp.int32)
-  src_BD1 = start_B[:, None] + path_BD1
-  dst_BD1 = start_B[:, None] + depth_D1[None, :]
+  depth_R1 = jnp.arange(path_BR1.shape[1], dtype=jnp.int32)
+  src_BR1 = start_B[:, None] + path_BR1
+  dst_BR1 = start_B[:, None] + depth_R1[None, :]
 
   def mover(slot_axis: int):
     lead = (slice(None),) * (slot_axis - 1)  # a row drops the batch axis: slots one earlier
 
-    def move_row(kv, src_D1, dst_D1):  # kv: one row, k [L, K, S, E] or v [L, K, E, S]
-      return kv.at[lead + (dst_D1,)].set(kv[lead + (src_D1,)], mode="drop")
+    def move_row(kv, src_R1, dst_R1):  # kv: one row, k [L, K, S, E] or v [L, K, E, S]
+      return kv.at[lead + (dst_R1,)].set(kv[lead + (src_R1,)], mode="drop")
 
     # vmap over rows: local to each shard when the batch is sharded
     return jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
 
-  return cache.replace(k_LBKSE=mover(K_SLOT_AXIS)(cache.k_LBKSE, src_BD1, dst_BD1),
-                       v_LBKES=mover(V_SLOT_AXIS)(cache.v_LBKES, src_BD1, dst_BD1))
+  return cache.replace(k_LBKSE=mover(K_SLOT_AXIS)(cache.k_LBKSE, src_BR1, dst_BR1),
+                       v_LBKES=mover(V_SLOT_AXIS)(cache.v_LBKES, src_BR1, dst_BR1))
 
 
 def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,
@@ -69,14 +69,14 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
   mask_BNS = tree_mask(length_B, tree.ancestors(), s.cache.max_len)
   logits_BNV, hidden_BND, cache = target.apply(params, tree.tokens_BN, positions_BN, s.cache,
                                                slots_BT=slots_BN, mask_BTS=mask_BNS)
-  path_BD1, num_accepted_B, next_B = verifier(tree, logits_BNV, sampling, verify_key)
+  path_BR1, num_accepted_B, next_B = verifier(tree, logits_BNV, sampling, verify_key)
 
-  cache = compact_path(cache, length_B, path_BD1)
-  path_tokens_BD = jnp.take_along_axis(tree.tokens_BN, path_BD1[:, 1:], axis=1)
-  path_hidden_BD1D = jnp.take_along_axis(hidden_BND, path_BD1[:, :, None], axis=1)
+  cache = compact_path(cache, length_B, path_BR1)
+  path_tokens_BR = jnp.take_along_axis(tree.tokens_BN, path_BR1[:, 1:], axis=1)
+  path_hidden_BR1D = jnp.take_along_axis(hidden_BND, path_BR1[:, :, None], axis=1)
   return commit_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, cache,
-                      draft_state, path_tokens_BD, num_accepted_B, next_B, path_hidden_BD1D,
-                      tree_path_BD1=path_BD1)
+                      draft_state, path_tokens_BR, num_accepted_B, next_B, path_hidden_BR1D,
+                      tree_path_BR1=path_BR1)
 
 
 def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, draft_params,

@@ -63,11 +63,11 @@ def _take_B(values_BN, index_B):
   return jnp.take_along_axis(values_BN, index_B[:, None], axis=1)[:, 0]
 
 
-def _extend_path(path_BD1, num_accepted_B, accept_B, node):
+def _extend_path(path_BR1, num_accepted_B, accept_B, node):
   """Writes `node` at depth num_accepted + 1 of the rows that accept it."""
-  depth_D1 = jnp.arange(path_BD1.shape[1], dtype=jnp.int32)
-  hit_BD1 = accept_B[:, None] & (depth_D1[None, :] == num_accepted_B[:, None] + 1)
-  return jnp.where(hit_BD1, node, path_BD1)
+  depth_R1 = jnp.arange(path_BR1.shape[1], dtype=jnp.int32)
+  hit_BR1 = accept_B[:, None] & (depth_R1[None, :] == num_accepted_B[:, None] + 1)
+  return jnp.where(hit_BR1, node, path_BR1)
 
 
 def _walk_inputs(tree: TokenTree):
@@ -83,18 +83,18 @@ def _start(tree: TokenTree):
 
 
 def verify_tree_greedy(tree: TokenTree, target_logits_BNV: jax.Array):
-  """-> (path [B, D+1], num_accepted [B], next_token [B]): the longest path matching argmax."""
+  """-> (path [B, R+1], num_accepted [B], next_token [B]): the longest path matching argmax."""
   target_BN = greedy(target_logits_BNV)
 
   def step(carry, inputs):
-    node_B, num_B, path_BD1 = carry
+    node_B, num_B, path_BR1 = carry
     child, token_B, parent_B = inputs
     accept_B = (parent_B == node_B) & (token_B == _take_B(target_BN, node_B))
-    path_BD1 = _extend_path(path_BD1, num_B, accept_B, child)
-    return (jnp.where(accept_B, child, node_B), num_B + accept_B, path_BD1), None
+    path_BR1 = _extend_path(path_BR1, num_B, accept_B, child)
+    return (jnp.where(accept_B, child, node_B), num_B + accept_B, path_BR1), None
 
-  (node_B, num_B, path_BD1), _ = jax.lax.scan(step, _start(tree), _walk_inputs(tree))
-  return path_BD1, num_B, _take_B(target_BN, node_B)
+  (node_B, num_B, path_BR1), _ = jax.lax.scan(step, _start(tree), _walk_inputs(tree))
+  return path_BR1, num_B, _take_B(target_BN, node_B)
 
 
 def _normalised_residual(r_BV, q_BV):
@@ -104,7 +104,7 @@ def _normalised_residual(r_BV, q_BV):
 
 
 def verify_tree_probs(tree: TokenTree, target_probs_BNV: jax.Array, key: jax.Array):
-  """Recursive rejection sampling on probabilities -> (path [B, D+1], num_accepted [B], next [B]).
+  """Recursive rejection sampling on probabilities -> (path [B, R+1], num_accepted [B], next [B]).
 
   tree.probs_BNV None means each draft's q is one-hot at its token.
   """
@@ -116,7 +116,7 @@ def verify_tree_probs(tree: TokenTree, target_probs_BNV: jax.Array, key: jax.Arr
       tree.probs_BNV.astype(jnp.float32).transpose(1, 0, 2)[1:])
 
   def step(carry, inputs):
-    node_B, num_B, path_BD1, r_BV = carry
+    node_B, num_B, path_BR1, r_BV = carry
     (child, token_B, parent_B), p_child_BV, u_B, q_BV = inputs
     if q_BV is None:
       q_BV = jax.nn.one_hot(token_B, vocab, dtype=jnp.float32)
@@ -127,20 +127,20 @@ def verify_tree_probs(tree: TokenTree, target_probs_BNV: jax.Array, key: jax.Arr
     rejected_BV = _normalised_residual(r_BV, q_BV)
     r_BV = jnp.where(accept_B[:, None], p_child_BV,
                      jnp.where(tried_B[:, None], rejected_BV, r_BV))
-    path_BD1 = _extend_path(path_BD1, num_B, accept_B, child)
-    return (jnp.where(accept_B, child, node_B), num_B + accept_B, path_BD1, r_BV), None
+    path_BR1 = _extend_path(path_BR1, num_B, accept_B, child)
+    return (jnp.where(accept_B, child, node_B), num_B + accept_B, path_BR1, r_BV), None
 
   carry = _start(tree) + (p_NBV[0],)
-  (node_B, num_B, path_BD1, r_BV), _ = jax.lax.scan(
+  (node_B, num_B, path_BR1, r_BV), _ = jax.lax.scan(
       step, carry, (_walk_inputs(tree), p_NBV[1:], u_NB, q_NBV))
-  return path_BD1, num_B, sample_from_probs(residual_key, r_BV)
+  return path_BR1, num_B, sample_from_probs(residual_key, r_BV)
 
 
 def verify_tree(tree: TokenTree, target_logits_BNV: jax.Array, sampling: SamplingConfig,
                 key: jax.Array):
-  """-> (path_BD1, num_accepted_B, next_token_B).
+  """-> (path_BR1, num_accepted_B, next_token_B).
 
-  path_BD1 [B, max_depth + 1]: node indices along the accepted path, root (0) first; entries
+  path_BR1 [B, max_depth + 1]: node indices along the accepted path, root (0) first; entries
   past num_accepted are padding (0). num_accepted_B [B] in [0, max_depth]: drafts kept.
   next_token_B [B]: the correction or bonus token, the next round's pending token.
   target_logits_BNV are the target's logits at every node (the distribution of the token

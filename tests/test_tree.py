@@ -72,8 +72,8 @@ def test_static_tree_from_choices():
 def test_tokens_from_topk():
   spec = static_tree([(0,), (1,), (0, 0), (0, 1), (1, 0)])
   pending_B = jnp.array([7, 8])
-  cand_BDK = jnp.array([[[10, 11], [20, 21]], [[30, 31], [40, 41]]])
-  np.testing.assert_array_equal(tokens_from_topk(spec, pending_B, cand_BDK),
+  cand_BRC = jnp.array([[[10, 11], [20, 21]], [[30, 31], [40, 41]]])
+  np.testing.assert_array_equal(tokens_from_topk(spec, pending_B, cand_BRC),
                                 [[7, 10, 11, 20, 21, 20], [8, 30, 31, 40, 41, 40]])
 
 
@@ -427,16 +427,16 @@ def test_draft_tree_holds_the_draft_models_top_k_children(stories, story_prompts
     contexts.append(list(seq[b, :lengths[b] + 1]) + path[:-1])
     drafts.append(path[-1])
     nodes.append(i)
-  tokens_CT, context_len_C = pad_prompts(contexts)
-  positions_CT = np.broadcast_to(np.arange(tokens_CT.shape[1]), tokens_CT.shape)
-  logits, _, _ = model.apply(params, tokens_CT, positions_CT, model.init_cache(*tokens_CT.shape))
-  last_CV = np.asarray(logits)[np.arange(len(contexts)), context_len_C - 1]
-  ranked_CV = np.argsort(-last_CV, axis=-1)
+  tokens_BT, context_len_B = pad_prompts(contexts)
+  positions_BT = np.broadcast_to(np.arange(tokens_BT.shape[1]), tokens_BT.shape)
+  logits, _, _ = model.apply(params, tokens_BT, positions_BT, model.init_cache(*tokens_BT.shape))
+  last_BV = np.asarray(logits)[np.arange(len(contexts)), context_len_B - 1]
+  ranked_BV = np.argsort(-last_BV, axis=-1)
   if shape == "dynamic":
-    assert all(d in ranked[:drafter.top_k] for d, ranked in zip(drafts, ranked_CV))
+    assert all(d in ranked[:drafter.top_k] for d, ranked in zip(drafts, ranked_BV))
   else:
     ranks = drafter.spec.ranks
-    assert [ranked[ranks[i]] for ranked, i in zip(ranked_CV, nodes)] == drafts
+    assert [ranked[ranks[i]] for ranked, i in zip(ranked_BV, nodes)] == drafts
 
 
 def test_one_compilation_and_bad_drafter(stories, story_prompts):
@@ -468,12 +468,12 @@ def accept_first_positive(tree: TokenTree, target_logits_BNV, sampling, key):
   batch, num_nodes = tree.tokens_BN.shape
   rows = jnp.arange(batch)
   node_B = num_B = jnp.zeros((batch,), jnp.int32)
-  path_BD1 = jnp.zeros((batch, tree.max_depth + 1), jnp.int32)
+  path_BR1 = jnp.zeros((batch, tree.max_depth + 1), jnp.int32)
   for j in range(1, num_nodes):
     ok_B = (tree.parents_BN[:, j] == node_B) & (p_BNV[rows, node_B, tree.tokens_BN[:, j]] > 0)
-    path_BD1 = path_BD1.at[rows, jnp.where(ok_B, num_B + 1, path_BD1.shape[1])].set(j, mode="drop")
+    path_BR1 = path_BR1.at[rows, jnp.where(ok_B, num_B + 1, path_BR1.shape[1])].set(j, mode="drop")
     node_B, num_B = jnp.where(ok_B, j, node_B), num_B + ok_B
-  return path_BD1, num_B, sample_from_probs(key, p_BNV[rows, node_B])
+  return path_BR1, num_B, sample_from_probs(key, p_BNV[rows, node_B])
 
 
 SMALL_SHAPES = {"dynamic": dict(depth=2, top_k=2, nodes=5),  # always both depth-1 children
