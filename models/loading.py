@@ -3,6 +3,7 @@
     *.bin                                  llama2.c version 0     -> spec_jax.models.llama2c
     folder/config.json with native marker  spec_jax-native        -> spec_jax.models.native
     folder/config.json + *.safetensors     Hugging Face           -> spec_jax.models.hf
+    *.gguf                                 GGUF (llama.cpp)       -> spec_jax.models.gguf
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def load_model(path: str, *, dtype: str | None = "float32") -> tuple[LlamaModel,
     if path.endswith(".bin"):
       from spec_jax.models.llama2c import load_llama2c
       return load_llama2c(path, dtype=dtype or "float32")
+    if path.endswith(".gguf"):
+      from spec_jax.models.gguf import load_gguf
+      return load_gguf(path, dtype=dtype or "float32")
     raise CheckpointError(f"{path}: unsupported checkpoint file (expected a llama2.c *.bin, "
-                          "or a folder with config.json)")
+                          "a *.gguf, or a folder with config.json)")
   if not os.path.isfile(os.path.join(path, "config.json")):
     raise CheckpointError(f"{path}: folder has no config.json; found: {_describe(path)}")
   if native.is_native(path):
@@ -58,11 +62,13 @@ def find_tokenizer_path(path: str) -> str | None:
   """The tokenizer that ships beside a checkpoint, or None.
 
   llama2.c: `tok{vocab}.bin` in the same folder, else the only `tok*.bin` there.
-  Folders (HF or native): `tokenizer.json` inside.
+  Folders (HF or native): `tokenizer.json` inside. GGUF: the file itself (its metadata).
   """
   if os.path.isdir(path):
     candidate = os.path.join(path, "tokenizer.json")
     return candidate if os.path.isfile(candidate) else None
+  if os.path.isfile(path) and path.endswith(".gguf"):
+    return path
   if not (os.path.isfile(path) and path.endswith(".bin")):
     return None
   folder = os.path.dirname(path) or "."

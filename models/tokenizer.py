@@ -451,7 +451,8 @@ def _find_specials(tok: Any, folder: Path) -> dict[str, int | None]:
 
 
 def load_tokenizer(path: str | Path) -> Llama2cTokenizer | HFTokenizer:
-  """`*.bin` -> Llama2cTokenizer; a `*.json` file or a folder with tokenizer.json -> HFTokenizer."""
+  """`*.bin` -> Llama2cTokenizer; a `*.json` file or a folder with tokenizer.json -> HFTokenizer;
+  a `*.gguf` -> GGUFTokenizer (spec_jax.models.gguf, from the file's metadata)."""
   path = Path(path)
   if path.is_dir():
     if (path / "tokenizer.json").is_file():
@@ -464,8 +465,11 @@ def load_tokenizer(path: str | Path) -> Llama2cTokenizer | HFTokenizer:
     return Llama2cTokenizer.from_file(path)
   if path.suffix == ".json":
     return HFTokenizer.from_file(path)
+  if path.suffix == ".gguf":
+    from spec_jax.models.gguf import load_gguf_tokenizer  # local: gguf imports this module
+    return load_gguf_tokenizer(str(path))
   raise TokenizerError(f"{path}: unknown tokenizer format; expected a llama2.c *.bin, a "
-                       "tokenizer.json, or a folder containing tokenizer.json")
+                       "tokenizer.json, a folder containing tokenizer.json, or a *.gguf")
 
 
 def check_vocab_compatible(tokenizer: Tokenizer, model_vocab_size: int) -> None:
