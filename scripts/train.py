@@ -203,17 +203,17 @@ def eval_windows(heldout_N: np.ndarray, recipe: Recipe) -> np.ndarray:
   return data.sequential_windows(heldout_N, recipe.seq_len, recipe.eval_windows)
 
 
-def chunked_mean(fn, windows_WT: np.ndarray, chunk: int) -> dict[str, float]:
+def chunked_mean(fn, windows_NT: np.ndarray, chunk: int) -> dict[str, float]:
   """Mean over windows of fn(windows chunk) -> {name: mean}, chunk by chunk."""
   sums: dict[str, float] = {}
-  for i in range(0, len(windows_WT), chunk):
-    part = windows_WT[i:i + chunk]
+  for i in range(0, len(windows_NT), chunk):
+    part = windows_NT[i:i + chunk]
     for k, v in jax.device_get(fn(jnp.asarray(part))).items():
       sums[k] = sums.get(k, 0.0) + float(v) * len(part)
-  return {k: v / len(windows_WT) for k, v in sums.items()}
+  return {k: v / len(windows_NT) for k, v in sums.items()}
 
 
-def train_target(model: LlamaModel, stream_N, windows_WT, recipe: Recipe, work: Path,
+def train_target(model: LlamaModel, stream_N, windows_NT, recipe: Recipe, work: Path,
                  seed: int, progress: bool):
   def loss_fn(tree, tokens_BT, rng):
     return next_token_cross_entropy(forward(model, tree, tokens_BT), tokens_BT), {}
@@ -231,14 +231,14 @@ def train_target(model: LlamaModel, stream_N, windows_WT, recipe: Recipe, work: 
   state, info = train_loop(
       state, batch_fn, make_train_step(loss_fn, optimizer), num_steps=recipe.target_steps,
       checkpoint_dir=str(work / "target"), save_every=recipe.save_every,
-      eval_fn=lambda p: chunked_mean(lambda w: heldout(p, w), windows_WT, recipe.batch_size),
+      eval_fn=lambda p: chunked_mean(lambda w: heldout(p, w), windows_NT, recipe.batch_size),
       eval_every=recipe.eval_every, best_metric="heldout_ce",
       tokens_per_step=recipe.batch_size * recipe.seq_len, progress=progress, desc="target")
   best, best_step = restore_best(str(work / "target"), state.params)
   return best, merge_stage_record(work / "target", info, int(best_step))
 
 
-def train_draft(draft: LlamaModel, target: LlamaModel, target_tree, stream_N, windows_WT,
+def train_draft(draft: LlamaModel, target: LlamaModel, target_tree, stream_N, windows_NT,
                 recipe: Recipe, work: Path, seed: int, progress: bool):
   def losses(tree, target_tree, tokens_BT):
     teacher_BTV = forward(target, target_tree, tokens_BT)
@@ -266,7 +266,7 @@ def train_draft(draft: LlamaModel, target: LlamaModel, target_tree, stream_N, wi
   state, info = train_loop(
       state, batch_fn, make_train_step(loss_fn, optimizer), num_steps=recipe.draft_steps,
       checkpoint_dir=str(work / "draft"), save_every=recipe.save_every,
-      eval_fn=lambda p: chunked_mean(lambda w: heldout(p, target_tree, w), windows_WT,
+      eval_fn=lambda p: chunked_mean(lambda w: heldout(p, target_tree, w), windows_NT,
                                      recipe.batch_size),
       eval_every=recipe.eval_every, best_metric="heldout_kl",
       tokens_per_step=recipe.batch_size * recipe.seq_len, progress=progress, desc="draft")
@@ -540,14 +540,14 @@ def main(argv=None) -> dict[str, Any]:
   print(f"corpus: {corpus_info}", flush=True)
 
   target, draft = make_models(recipe)
-  windows_WT = eval_windows(heldout_N, recipe)
-  target_tree, target_info = train_target(target, train_N, windows_WT, recipe, work, args.seed,
+  windows_NT = eval_windows(heldout_N, recipe)
+  target_tree, target_info = train_target(target, train_N, windows_NT, recipe, work, args.seed,
                                           progress)
   builtin.save_model(out, "target", target, target_tree)
   # the draft learns the target as shipped (int8 matrices), not its float32 training copy
   target_tree = to_tree(builtin.stored_params(target, to_state(target, target_tree)))
   stages["target_s"] = target_info["wall_s"]
-  draft_tree, draft_info = train_draft(draft, target, target_tree, train_N, windows_WT, recipe,
+  draft_tree, draft_info = train_draft(draft, target, target_tree, train_N, windows_NT, recipe,
                                        work, args.seed, progress)
   builtin.save_model(out, "draft", draft, draft_tree)
   stages["draft_s"] = draft_info["wall_s"]

@@ -123,28 +123,28 @@ def prefill(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
   return last_logits_BV, hidden_BPD, cache.with_length(lengths_B)
 
 
-def write_tokens(seq_BS, start_B, new_BK, count_B):
+def write_tokens(seq_BS, start_B, new_BT, count_B):
   """seq[b, start[b] + j] = new[b, j] for j < count[b]; nothing else changes."""
-  j_K = jnp.arange(new_BK.shape[1], dtype=jnp.int32)
-  slots_BK = jnp.where(j_K[None, :] < count_B[:, None], start_B[:, None] + j_K[None, :],
+  j_T = jnp.arange(new_BT.shape[1], dtype=jnp.int32)
+  slots_BT = jnp.where(j_T[None, :] < count_B[:, None], start_B[:, None] + j_T[None, :],
                        seq_BS.shape[1])  # out of range -> dropped
   # vmap over rows: a batched scatter, local to each shard when the batch is sharded
-  return jax.vmap(lambda s_S, i_K, v_K: s_S.at[i_K].set(v_K, mode="drop"))(seq_BS, slots_BK,
-                                                                             new_BK)
+  return jax.vmap(lambda s_S, i_T, v_T: s_S.at[i_T].set(v_T, mode="drop"))(seq_BS, slots_BT,
+                                                                             new_BT)
 
 
-def tokens_to_emit(new_BK, num_new_B, num_generated_B, budget_B, done_B, eos_id):
+def tokens_to_emit(new_BT, num_new_B, num_generated_B, budget_B, done_B, eos_id):
   """How many of the candidate tokens each row keeps, and whether it is then done.
 
   A row keeps its candidates up to and including the first EOS, never more than its
   remaining budget, and nothing once it is done.
   """
-  j_K = jnp.arange(new_BK.shape[1], dtype=jnp.int32)
-  is_eos_BK = (new_BK == eos_id) & (j_K[None, :] < num_new_B[:, None])
-  first_eos_B = jnp.where(is_eos_BK.any(axis=1), jnp.argmax(is_eos_BK, axis=1), new_BK.shape[1])
+  j_T = jnp.arange(new_BT.shape[1], dtype=jnp.int32)
+  is_eos_BT = (new_BT == eos_id) & (j_T[None, :] < num_new_B[:, None])
+  first_eos_B = jnp.where(is_eos_BT.any(axis=1), jnp.argmax(is_eos_BT, axis=1), new_BT.shape[1])
   count_B = jnp.minimum(jnp.minimum(num_new_B, first_eos_B + 1), budget_B - num_generated_B)
   count_B = jnp.where(done_B, 0, jnp.maximum(count_B, 0))
-  hit_eos_B = is_eos_BK.any(axis=1) & (first_eos_B < count_B)
+  hit_eos_B = is_eos_BT.any(axis=1) & (first_eos_B < count_B)
   now_done_B = done_B | hit_eos_B | (num_generated_B + count_B >= budget_B)
   return count_B, now_done_B
 

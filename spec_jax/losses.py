@@ -41,8 +41,8 @@ def next_token_cross_entropy(logits_BTV: jax.Array, tokens_BT: jax.Array,
   `logits_BTV` are the model's outputs on `tokens_BT`; the last position has no target.
   `mask_BT` marks the positions whose prediction counts (aligned with the logits).
   """
-  ce_BS = cross_entropy_with_integer_labels(logits_BTV[:, :-1], tokens_BT[:, 1:])
-  return masked_mean(ce_BS, None if mask_BT is None else mask_BT[:, :-1])
+  ce_BT = cross_entropy_with_integer_labels(logits_BTV[:, :-1], tokens_BT[:, 1:])
+  return masked_mean(ce_BT, None if mask_BT is None else mask_BT[:, :-1])
 
 
 def distillation_kl(student_logits_BTV: jax.Array, teacher_logits_BTV: jax.Array,

@@ -15,7 +15,7 @@ class SpecMetrics:
   rounds_B: jax.Array  # [B] rounds in which the row was still generating
   accepted_B: jax.Array  # [B] drafted tokens accepted, summed over the row's rounds
   tokens_B: jax.Array  # [B] tokens generated (the first, from prefill, included)
-  accept_hist_K: jax.Array  # [gamma+1] count of row-rounds that accepted k drafts
+  accept_hist_G1: jax.Array  # [gamma+1] count of row-rounds that accepted k drafts
   position_accepted_G: jax.Array  # [gamma] row-rounds whose draft i was accepted
   position_reached_G: jax.Array  # [gamma] row-rounds whose drafts before i were all accepted
 
@@ -31,11 +31,11 @@ class SpecMetrics:
     i_G = jnp.arange(gamma, dtype=jnp.int32)
     reached_BG = (i_G[None, :] <= num_accepted_B[:, None]) * active_i[:, None]
     accepted_BG = (i_G[None, :] < num_accepted_B[:, None]) * active_i[:, None]
-    hist_BK = jax.nn.one_hot(num_accepted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None]
+    hist_BG1 = jax.nn.one_hot(num_accepted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None]
     return SpecMetrics(
         rounds=self.rounds + 1, target_calls=self.target_calls + 1,
         rounds_B=self.rounds_B + active_i, accepted_B=self.accepted_B + num_accepted_B * active_i,
-        tokens_B=self.tokens_B + emitted_B, accept_hist_K=self.accept_hist_K + hist_BK.sum(0),
+        tokens_B=self.tokens_B + emitted_B, accept_hist_G1=self.accept_hist_G1 + hist_BG1.sum(0),
         position_accepted_G=self.position_accepted_G + accepted_BG.sum(0),
         position_reached_G=self.position_reached_G + reached_BG.sum(0))
 
@@ -57,7 +57,7 @@ def summarize(m: SpecMetrics) -> dict:
       "mean_accepted": mean_accepted,
       "mean_accepted_with_bonus": mean_accepted + 1.0 if row_rounds else 0.0,
       "acceptance_rate": accepted / drafted if drafted else 0.0,
-      "accept_hist": m.accept_hist_K.tolist(),
+      "accept_hist": m.accept_hist_G1.tolist(),
       "position_acceptance": [float(a) / r if r else float("nan")
                               for a, r in zip(m.position_accepted_G, m.position_reached_G)],
   }

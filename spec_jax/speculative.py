@@ -47,10 +47,10 @@ class SpecState:
 def candidates(draft_tokens_BG, num_accepted_B, next_B):
   """[B, gamma+1]: the accepted drafts, then the next token, then zeros."""
   batch, gamma = draft_tokens_BG.shape
-  j_K = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
-  drafts_BK = jnp.concatenate([draft_tokens_BG, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  j_G1 = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+  drafts_BG1 = jnp.concatenate([draft_tokens_BG, jnp.zeros((batch, 1), jnp.int32)], axis=1)
   n_B1 = num_accepted_B[:, None]
-  return jnp.where(j_K < n_B1, drafts_BK, jnp.where(j_K == n_B1, next_B[:, None], 0))
+  return jnp.where(j_G1 < n_B1, drafts_BG1, jnp.where(j_G1 == n_B1, next_B[:, None], 0))
 
 
 def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: SamplingConfig,
@@ -97,10 +97,10 @@ def commit_round(drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, s:
   the drafts in order (entries past num_accepted are never kept).
   """
   length_B = ctx.position_B
-  new_BK = candidates(draft_tokens_BG, num_accepted_B, next_B)
-  count_B, done_B = tokens_to_emit(new_BK, num_accepted_B + 1, s.num_generated_B, budget_B,
+  new_BG1 = candidates(draft_tokens_BG, num_accepted_B, next_B)
+  count_B, done_B = tokens_to_emit(new_BG1, num_accepted_B + 1, s.num_generated_B, budget_B,
                                    s.done_B, eos_id)
-  seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, new_BK, count_B)
+  seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, new_BG1, count_B)
   # The target now holds pending + drafts up to the last kept one (a row cut short by its
   # budget or an EOS keeps only what it emitted); the next token is the new pending one.
   kept_in_cache_B = jnp.where(count_B > 0, jnp.minimum(count_B, num_accepted_B) + 1, 0)
@@ -109,7 +109,7 @@ def commit_round(drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, s:
   outcome = RoundOutcome(ctx, draft_tokens_BG, num_accepted_B, next_B, new_length_B, hidden_BG1D,
                          **outcome_fields)
   draft_state = drafter.commit(draft_params, draft_state, outcome)
-  last_kept_B = jnp.take_along_axis(new_BK, jnp.maximum(count_B - 1, 0)[:, None], axis=1)[:, 0]
+  last_kept_B = jnp.take_along_axis(new_BG1, jnp.maximum(count_B - 1, 0)[:, None], axis=1)[:, 0]
   pending_B = jnp.where(count_B > 0, last_kept_B, s.pending_B)
   metrics = s.metrics.update(~s.done_B, num_accepted_B, count_B)
   return SpecState(seq_BS, pending_B, s.num_generated_B + count_B, done_B, cache, draft_state,

@@ -120,7 +120,7 @@ def test_accepted_length_matches_theory(gamma):
                              jnp.asarray(q_logits), *pad_prompts([[0]] * rows), gamma=gamma,
                              max_new_tokens=new, sampling=SamplingConfig(1.0),
                              key=jax.random.key(7))
-  hist = np.asarray(out.metrics.accept_hist_K)
+  hist = np.asarray(out.metrics.accept_hist_G1)
   expected_hist = np.array([alpha ** k * (1 - alpha) for k in range(gamma)] + [alpha ** gamma])
   mean_tokens = summarize(out.metrics)["mean_accepted_with_bonus"]
   k = np.arange(gamma + 1) + 1

@@ -111,17 +111,17 @@ def matmul_count_sweep(nbytes: int, counts: tuple[int, ...], dtype, *, steps: in
 
 
 @jax.jit
-def _matvec(x_N, w_NM):
-  return x_N @ w_NM
+def _matvec(x_I, w_IO):
+  return x_I @ w_IO
 
 
 def matvec_over(nbytes: int, dtype) -> tuple[Thunk, list[int]]:
-  """A thunk multiplying a vector by one [1024, M] matrix of `nbytes` (and that shape)."""
+  """A thunk multiplying a vector by one [1024, m] matrix of `nbytes` (and that shape)."""
   n = 1024
   m = max(1, nbytes // jnp.dtype(dtype).itemsize // n)
-  w_NM = jnp.ones((n, m), dtype) * 1e-3
-  x_N = jnp.ones((n,), dtype)
-  return (lambda: _matvec(x_N, w_NM)), [n, m]
+  w_IO = jnp.ones((n, m), dtype) * 1e-3
+  x_I = jnp.ones((n,), dtype)
+  return (lambda: _matvec(x_I, w_IO)), [n, m]
 
 
 @jax.jit
