@@ -137,7 +137,7 @@ class RMSNorm(nnx.Module):
 def apply_rope(x_BTHE: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
   """Rotary embedding, half-split layout: dims (i, i + E/2) rotate together by pos * freq_i.
 
-  x is [B, T, heads, E]: the query heads (H) or the KV heads (K).
+  x is [B, T, heads, E]: the query heads (H) or the KV heads (K); F = E / 2 frequencies.
   """
   half = x_BTHE.shape[-1] // 2
   freq_F = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x_BTHE.shape[-1]))

@@ -15,7 +15,7 @@ Every row has the same N and the same static `max_depth` (so the accepted path h
 shape); rows differ in their tokens and, for dynamic trees, their structure.
 
 Shape letters (spec_jax.core): N nodes, R depth, C children per expanded node (top_k ranks),
-M block slots; local to this module: X all candidates of a dynamic tree, Y the C * C
+M block slots; local to this module: Y all candidates of a dynamic tree, U the C * C
 children of one level, Z the N - 1 drafted (non-root) nodes.
 
 Builders:
@@ -174,10 +174,11 @@ class Expansion:
 ExpandFn = Callable[[object, Expansion], tuple[jax.Array, object]]
 
 
-def _best(score_BX: jax.Array, count: int) -> jax.Array:
-  """Indices of the `count` highest of X scores per row; ties go to the lower index."""
-  iota_BX = jnp.broadcast_to(jnp.arange(score_BX.shape[1], dtype=jnp.int32), score_BX.shape)
-  return jax.lax.sort((-score_BX, iota_BX), dimension=1, num_keys=2)[1][:, :count]
+def _best(score_BY: jax.Array, count: int) -> jax.Array:
+  """Indices of the `count` highest scores per row (of any candidates, Y or U); ties go to
+  the lower index."""
+  iota_BY = jnp.broadcast_to(jnp.arange(score_BY.shape[1], dtype=jnp.int32), score_BY.shape)
+  return jax.lax.sort((-score_BY, iota_BY), dimension=1, num_keys=2)[1][:, :count]
 
 
 def dynamic_tree_candidates(depth: int, top_k: int) -> int:
@@ -228,17 +229,17 @@ def grow_dynamic_tree(root_logp_BV: jax.Array, pending_B: jax.Array, expand_fn: 
     expansion = Expansion(tokens_BC, anc_BCM, frontier_parent_BC, block_C, d - 1)
     child_logp_BCV, carry = expand_fn(carry, expansion)
     child_logp_BCC, child_tokens_BCC = jax.lax.top_k(child_logp_BCV, k)
-    child_score_BY = (score_BC[:, :, None] + jnp.minimum(child_logp_BCC, 0.0)).reshape(batch, k * k)
-    child_tokens_BY = child_tokens_BCC.reshape(batch, k * k)
-    cand_tokens.append(child_tokens_BY)
-    cand_scores.append(child_score_BY)
+    child_score_BU = (score_BC[:, :, None] + jnp.minimum(child_logp_BCC, 0.0)).reshape(batch, k * k)
+    child_tokens_BU = child_tokens_BCC.reshape(batch, k * k)
+    cand_tokens.append(child_tokens_BU)
+    cand_scores.append(child_score_BU)
     cand_parents.append(jnp.repeat(frontier_cand_BC, k, axis=1))
     cand_depths.append(np.full(k * k, d, np.int32))
     if d < depth:  # the next frontier: the best top_k children of this depth
-      pick_BC = _best(child_score_BY, k)
+      pick_BC = _best(child_score_BU, k)
       parent_row_BC = pick_BC // k  # which frontier node each one hangs from
-      tokens_BC = jnp.take_along_axis(child_tokens_BY, pick_BC, axis=1)
-      score_BC = jnp.take_along_axis(child_score_BY, pick_BC, axis=1)
+      tokens_BC = jnp.take_along_axis(child_tokens_BU, pick_BC, axis=1)
+      score_BC = jnp.take_along_axis(child_score_BU, pick_BC, axis=1)
       frontier_cand_BC = offset + pick_BC
       frontier_parent_BC = jnp.asarray(block_C)[parent_row_BC]
       block_C = 1 + (d - 1) * k + np.arange(k, dtype=np.int32)
@@ -246,9 +247,9 @@ def grow_dynamic_tree(root_logp_BV: jax.Array, pending_B: jax.Array, expand_fn: 
       anc_BCM = jnp.take_along_axis(anc_BCM, parent_row_BC[:, :, None], axis=1) | own_CM
     offset += k * k
 
-  scores_BX = jnp.concatenate(cand_scores, axis=1)
+  scores_BY = jnp.concatenate(cand_scores, axis=1)
   # chosen candidates in index order: depth by depth, so parents precede children
-  chosen_BZ = jnp.sort(_best(scores_BX, num_nodes - 1), axis=1)
+  chosen_BZ = jnp.sort(_best(scores_BY, num_nodes - 1), axis=1)
   tokens_BZ = jnp.take_along_axis(jnp.concatenate(cand_tokens, axis=1), chosen_BZ, axis=1)
   parent_cand_BZ = jnp.take_along_axis(jnp.concatenate(cand_parents, axis=1), chosen_BZ, axis=1)
   # node index of the parent: 1 + its rank among the chosen (its parent is always chosen)

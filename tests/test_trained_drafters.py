@@ -279,7 +279,7 @@ def _check_mtp_tree_children(target, tp, spec, head_params, drafter, state, seq,
   _, hidden_BTD, _ = target.apply(tp, tokens_BT, positions_BT, target.init_cache(*tokens_BT.shape))
   logits_ABTV, _ = spec.model.apply(head_params, hidden_BTD, jnp.asarray(tokens_BT), positions_BT,
                                     spec.model.init_cache(*tokens_BT.shape))
-  logits_ABTV = np.asarray(logits_ABTV)
+  logits_ABTV = np.asarray(logits_ABTV)  # A: the MTP modules
   ranks = drafter.spec.ranks if drafter.choices is not None else None
   for c, (node, token, parent_depth, length) in enumerate(children):
     ranked = np.argsort(-logits_ABTV[parent_depth, c, length - 1])

@@ -131,7 +131,7 @@ def medusa_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
                 decay: float = 0.8):
   """Sum over heads of decay**k * token loss of head k (later heads matter less, as in Medusa).
   Head k (0-based) reads the target hidden h_t and predicts x_{t+2+k}: target logits at t+1+k."""
-  logits_BTAV = model.apply(params, t.hidden_BTD)
+  logits_BTAV = model.apply(params, t.hidden_BTD)  # A: the heads
   total, metrics = 0.0, {}
   for k in range(logits_BTAV.shape[2]):
     loss, agree = token_loss(logits_BTAV[:, :, k], t, 2 + k, token)

@@ -227,7 +227,7 @@ def mtp_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl"):
   (1-based): element i = (h^{k-1}_i, x_{i+k}) predicts x_{i+k+1}: target logits at i+k."""
   batch, length = t.tokens_BT.shape
   logits_ABTV, _ = model.apply(params, t.hidden_BTD, t.tokens_BT, positions_of(t),
-                               model.init_cache(batch, length))
+                               model.init_cache(batch, length))  # A: the modules
   num = logits_ABTV.shape[0]
   total, metrics = 0.0, {}
   for k in range(1, num + 1):
