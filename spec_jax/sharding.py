@@ -7,7 +7,7 @@ to a mesh axis or to None (replicated). Parameters get their logical axes from t
 up projections split their output (heads, mlp) over `model`; wo and w_down split their
 input; the vocabulary splits the embedding and the head. The draft is replicated.
 
-Axes are `AxisType.Auto` (see DESIGN.md, facts): parameters and inputs are placed
+Axes are `AxisType.Auto` (see docs/design.md, "Sharding"): parameters and inputs are placed
 explicitly, and the compiler propagates shardings through the model. The KV caches, the
 loop's biggest carry, are pinned with `with_sharding_constraint` at every model call by
 `ShardedModel`, a thin wrapper around the model, so their sharding is the same when the

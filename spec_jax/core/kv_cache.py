@@ -3,7 +3,7 @@
 Slots are absolute positions: the token at position p of a row lives in slot p of that
 row. A row's `length` counts its valid slots; anything beyond is stale and masked, and
 gets overwritten later. Rolling back after a rejected draft is therefore only a change
-of `length` (see DESIGN.md, "Rollback is a length, not a copy").
+of `length` (see docs/design.md, "Invariants").
 
 Layouts are head-major, as the attention dots read them, so no step re-lays-out the cache:
 K is [layers, batch, kv_heads, slots, head_dim] (scores contract head_dim, its minor axis)
