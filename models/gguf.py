@@ -157,8 +157,8 @@ def config_from_gguf(reader, *, dtype: str = "float32", source: str = "GGUF file
   resolved = head_dim or (dim // heads if heads else 0)
   rot = key("rope.dimension_count", resolved)
   if rot != resolved:
-    raise CheckpointError(f"{source}: {arch}.rope.dimension_count={rot} < head_dim={resolved}: "
-                          "partial rotary embeddings are unsupported")
+    raise CheckpointError(f"{source}: {arch}.rope.dimension_count={rot} but head_dim="
+                          f"{resolved}: partial rotary embeddings are unsupported")
   embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
   vocab = key("vocab_size", None)
   if vocab is None:  # older files: the tokenizer's length, else the embedding's rows
