@@ -25,7 +25,7 @@ one legend for the whole codebase (docs/design.md, "Shape letters"):
   M  slots of a tree block (the keys a tree mask covers)
   C  children per expanded tree node (top-k ranks)
   W  a window of recent positions a drafter re-runs
-  X  whatever leading axes a row-wise helper is given
+  X  any other axes: whatever a generic helper is given (logits_XV, local_BX)
 A digit is a literal size (B1 is [B, 1]) except in G1 and R1. Any other letter is local: the
 module or function that uses it says what it means.
 """

@@ -194,16 +194,17 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
       nmask_BTS = (tree_mask(pos_B - 1, anc_BMM[:, run] & real_BM[:, None, :], max_len)
                    & ~stale_BS[:, None, :])
       nh_BTD = jnp.take_along_axis(feats_BMD, parents_BM[:, run][:, :, None], axis=1)
-      logits_BXV, h_BXD, cache = self.model.apply_module(
+      # one pass over the window, then the nodes run (local letter U = win + the nodes run)
+      logits_BUV, h_BUD, cache = self.model.apply_module(
           params, k, jnp.concatenate([win_h_BWD[:, :win], nh_BTD], axis=1),
           jnp.concatenate([gather_positions(ctx.seq_BS, wpos_BW + k), tokens_BM[:, run]], 1),
           jnp.concatenate([wpos_BW, npos_BT], axis=1), cache,
           slots_BT=jnp.concatenate([w_slots_BW, nslots_BT], axis=1),
           mask_BTS=jnp.concatenate([causal_mask(wpos_BW, max_len), nmask_BTS], axis=1))
-      feats_BMD = feats_BMD.at[:, 0].set(h_BXD[:, win - 1]).at[:, run].set(h_BXD[:, win:])
-      level_logits_BTV = logits_BXV[:, win + np.searchsorted(run, ids)]
+      feats_BMD = feats_BMD.at[:, 0].set(h_BUD[:, win - 1]).at[:, run].set(h_BUD[:, win:])
+      level_logits_BTV = logits_BUV[:, win + np.searchsorted(run, ids)]
       return (tree_log_probs(level_logits_BTV, sampling, ctx.history, level.depth),
-              (cache, h_BXD[:, :win], feats_BMD, (tokens_BM, parents_BM, anc_BMM)))
+              (cache, h_BUD[:, :win], feats_BMD, (tokens_BM, parents_BM, anc_BMM)))
 
     root_logp_BV = tree_log_probs(root_logits_BWV[:, -1], sampling, ctx.history)
     carry = (cache, win_h_BWD, feats_BMD, block)
