@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spec_jax.core.errors import BadArgument, check_bool, check_int, check_real
 from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, causal_mask, write_rows
 from spec_jax.core.quantize import dense
 
@@ -53,17 +54,29 @@ class LlamaConfig:
   dtype: str = "float32"  # parameter and activation dtype; norms and softmax run in float32
 
   def __post_init__(self):
+    # types first: a "5" or 4.5 here would fail later with a TypeError, or silently truncate
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
                  "max_seq_len"):
-      if int(getattr(self, name)) <= 0:
-        raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+      check_int(getattr(self, name), f"LlamaConfig.{name}", minimum=1)
+    if self.head_dim is not None:
+      check_int(self.head_dim, "LlamaConfig.head_dim", minimum=1)
+    for name in ("rope_theta", "norm_eps"):
+      check_real(getattr(self, name), f"LlamaConfig.{name}", positive=True)
+    for name in ("qkv_bias", "tie_embeddings", "fused_projections", "kernels_out_in"):
+      check_bool(getattr(self, name), f"LlamaConfig.{name}")
     if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+      raise BadArgument(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     if self.head_dim is None and self.dim % self.n_heads:
-      raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+      raise BadArgument(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
     if self.resolved_head_dim % 2:
-      raise ValueError(f"head_dim must be even for RoPE, got {self.resolved_head_dim}")
-    jnp.dtype(self.dtype)  # raises on an unknown dtype name
+      raise BadArgument(f"head_dim must be even for RoPE, got {self.resolved_head_dim}")
+    try:
+      floating = isinstance(self.dtype, str) and jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise BadArgument(f"LlamaConfig.dtype must name a floating dtype (float32, bfloat16, ...), "
+                        f"got {self.dtype!r}")
 
   @property
   def resolved_head_dim(self) -> int:
@@ -93,7 +106,7 @@ class LlamaConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known
     if unknown:
-      raise ValueError(f"unknown LlamaConfig fields: {sorted(unknown)}")
+      raise BadArgument(f"unknown LlamaConfig fields: {sorted(unknown)}")
     return cls(**d)
 
 
@@ -251,15 +264,33 @@ class Llama(nnx.Module):
     return self.lm_head(hidden_BTD).astype(jnp.float32)
 
   def __call__(self, tokens_BT, positions_BT, cache: KVCache, slots_BT, mask_BTS,
-               num_layers: int | None = None):
+               num_layers: int | None = None, feature_layers: tuple[int, ...] = ()):
     x_BTD = self.embed_tokens(tokens_BT)
     k_LBKSE, v_LBKES = cache.k_LBKSE, cache.v_LBKES
     used = len(self.layers) if num_layers is None else num_layers
+    outputs = {}  # layer id -> its output (the residual stream), for feature_layers only
     for i, layer in enumerate(self.layers[:used]):
       x_BTD, k_LBKSE, v_LBKES = layer(x_BTD, positions_BT, k_LBKSE, v_LBKES, i, slots_BT,
                                       mask_BTS)
+      if i in feature_layers:
+        outputs[i] = x_BTD
     hidden_BTD = self.final_norm(x_BTD)
-    return self.logits(hidden_BTD), hidden_BTD, cache.replace(k_LBKSE=k_LBKSE, v_LBKES=v_LBKES)
+    logits_BTV = self.logits(hidden_BTD)
+    if feature_layers:  # [last ; layer l_1 ; ... ; layer l_n] along the feature axis
+      hidden_BTD = jnp.concatenate([hidden_BTD] + [outputs[i] for i in feature_layers], axis=-1)
+    return logits_BTV, hidden_BTD, cache.replace(k_LBKSE=k_LBKSE, v_LBKES=v_LBKES)
+
+
+def check_feature_layers(layers, num_layers: int) -> None:
+  """Feature layer ids: distinct integers in 0..num_layers-1 (the layers a pass runs)."""
+  if not isinstance(layers, tuple):
+    raise TypeError(f"feature layers must be a tuple of layer ids, got {layers!r}")
+  for i in layers:
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+      raise ValueError(f"feature layer {i!r} is not a layer of this model: ids are "
+                       f"0..{num_layers - 1} ({num_layers} layers)")
+  if len(set(layers)) != len(layers):
+    raise ValueError(f"feature layers must be distinct, got {layers}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,9 +305,25 @@ class LlamaModel:
 
   `num_layers` < config.n_layers runs only the first layers (then final norm and head):
   the layer-skip self-speculation draft shares the target's params and cache layout.
+
+  `feature_layers` (static, default none) asks `apply` for the outputs of those decoder
+  layers (0-based; each the residual stream after the layer) alongside the last hidden
+  state: `hidden` is then [last ; layer l_1 ; ... ; layer l_n] along its last axis, width
+  (1 + n) * dim, and `hidden[..., :dim]` is what it is without them. Drafters conditioned
+  on several target layers (DFlash, DSpark, EAGLE-3) ask for them through
+  `with_feature_layers`; without the request the computation and its program are unchanged.
   """
   config: LlamaConfig
   num_layers: int | None = None
+  feature_layers: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    check_feature_layers(self.feature_layers,
+                         self.config.n_layers if self.num_layers is None else self.num_layers)
+
+  def with_feature_layers(self, layers) -> "LlamaModel":
+    """This handle, with `apply` also returning the outputs of `layers` (see above)."""
+    return dataclasses.replace(self, feature_layers=tuple(int(i) for i in layers))
 
   @property
   def vocab_size(self) -> int:
@@ -303,15 +350,23 @@ class LlamaModel:
     return nnx.merge(_graphdef(self.config), params)
 
   def apply(self, params, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache, *,
-            slots_BT: jax.Array | None = None, mask_BTS: jax.Array | None = None):
+            slots_BT: jax.Array | None = None, mask_BTS: jax.Array | None = None,
+            feature_layers: tuple[int, ...] | None = None):
     """-> (logits[B,T,V] float32, hidden[B,T,D], cache with the T new entries written).
 
     By default token t of row b is written to slot positions[b, t] and attends causally.
     Token trees pass their own slots and mask. `cache.length_B` is left to the caller.
+    `feature_layers` (static) overrides the handle's: hidden is then [B,T,(1+n)*D], the
+    last hidden state followed by those layers' outputs.
     """
     if slots_BT is None:
       slots_BT = positions_BT
     if mask_BTS is None:
       mask_BTS = causal_mask(positions_BT, cache.max_len)
+    layers = self.feature_layers
+    if feature_layers is not None:
+      layers = tuple(int(i) for i in feature_layers)
+      check_feature_layers(layers, self.config.n_layers if self.num_layers is None
+                           else self.num_layers)
     model = self.module(params)
-    return model(tokens_BT, positions_BT, cache, slots_BT, mask_BTS, self.num_layers)
+    return model(tokens_BT, positions_BT, cache, slots_BT, mask_BTS, self.num_layers, layers)

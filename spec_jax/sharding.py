@@ -323,6 +323,11 @@ class ShardedModel:
     logits_BTV, hidden_BTD, cache = self.model.apply(params, tokens_BT, positions_BT, cache, **kw)
     return logits_BTV, hidden_BTD, constrain_cache(cache, self.mesh, self.rules)
 
+  def with_feature_layers(self, layers) -> "ShardedModel":
+    """The wrapped model asked for those layers' outputs (its hidden states grow along the
+    feature axis, placed as the hidden state is), still pinned to the mesh."""
+    return dataclasses.replace(self, model=self.model.with_feature_layers(layers))
+
 
 def _on_mesh(drafter, mesh: Mesh, rules: ShardingRules):
   """A draft-model drafter with its model wrapped, so the draft cache is pinned too.
