@@ -29,7 +29,8 @@ import safetensors
 import safetensors.numpy
 
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.models.params_io import CheckpointError, params_from_flat, params_to_flat, to_layout
+from spec_jax.models.params_io import (CheckpointError, check_all_finite, check_layer_count,
+                                      params_from_flat, params_to_flat, read_json, to_layout)
 from spec_jax.models.tokenizer import HFTokenizer, TokenizerError, check_vocab_compatible
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -101,10 +102,7 @@ def save_model(folder: str | Path, name: str, model: LlamaModel, params) -> None
 
 
 def _read_config(path: Path, dtype: str) -> LlamaConfig:
-  try:
-    raw = json.loads(path.read_text())
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f"{path}: unreadable config ({e}); {REBUILD_HINT}") from e
+  raw = read_json(path, error=lambda m: CheckpointError(f"{m}; {REBUILD_HINT}"))
   if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT:
     raise CheckpointError(f"{path}: not a {FORMAT} config")
   try:
@@ -117,7 +115,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
   try:
     with safetensors.safe_open(str(path), framework="numpy") as f:
       return {name: f.get_tensor(name) for name in f.keys()}
-  except (safetensors.SafetensorError, OSError, TypeError) as e:
+  except (safetensors.SafetensorError, OSError, TypeError, ValueError) as e:
     raise CheckpointError(f"{path}: truncated or malformed safetensors file ({e}); "
                           f"{REBUILD_HINT}") from e
 
@@ -129,11 +127,13 @@ def load_model(folder: str | Path, name: str, *, dtype: str = "float32"
   missing = [f for f in (f"{name}.json", f"{name}.safetensors") if not (folder / f).is_file()]
   if missing:
     raise CheckpointError(f"{folder}: missing {', '.join(missing)}; {REBUILD_HINT}")
-  model = LlamaModel(_read_config(folder / f"{name}.json", dtype))
+  cfg = _read_config(folder / f"{name}.json", dtype)
   path = folder / f"{name}.safetensors"
-  flat = dequantize_tensors(_read_tensors(path), str(path))
-  if not all(np.all(np.isfinite(a)) for a in flat.values()):
-    raise CheckpointError(f"{path}: non-finite weights; {REBUILD_HINT}")
+  tensors = _read_tensors(path)
+  check_layer_count(cfg.n_layers, tensors, str(path))  # before anything is built per layer
+  flat = dequantize_tensors(tensors, str(path))
+  check_all_finite(flat, str(path))
+  model = LlamaModel(cfg)
   return model, params_from_flat(model, flat, source=str(path))
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from spec_jax.models.llama import LAYOUTS, Block, LlamaConfig, LlamaModel, Linear, RMSNorm
+from spec_jax.core.errors import BadArgument, check_int
 from spec_jax.core.kv_cache import KVCache, causal_mask
 from spec_jax.core.quantize import dense
 
@@ -97,6 +98,15 @@ def _abstract(ctor) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def _check_float_dtype(dtype, name: str) -> None:
+  try:
+    floating = isinstance(dtype, str) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise BadArgument(f"{name} must name a floating dtype (float32, bfloat16, ...), got {dtype!r}")
+
+
 def _graphdef(module_cls, cfg):
   """The (static) graph of module_cls(cfg), built once per config: params are merged into it."""
   return nnx.split(nnx.eval_shape(lambda: module_cls(cfg, nnx.Rngs(0))))[0]
@@ -110,6 +120,11 @@ class MedusaConfig:
   dim: int
   num_heads: int = 4
   dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "num_heads"):
+      check_int(getattr(self, name), f"MedusaConfig.{name}", minimum=1)
+    _check_float_dtype(self.dtype, "MedusaConfig.dtype")
 
   @classmethod
   def for_target(cls, target: LlamaConfig, num_heads: int = 4) -> "MedusaConfig":
@@ -256,6 +271,11 @@ class EagleModel(BlockDrafterModel):
 class MTPConfig:
   layer: LlamaConfig  # the shape of each module's Block (its n_layers is ignored)
   num_modules: int = 2
+
+  def __post_init__(self):
+    if not isinstance(self.layer, LlamaConfig):
+      raise BadArgument(f"MTPConfig.layer must be a LlamaConfig, got {type(self.layer).__name__}")
+    check_int(self.num_modules, "MTPConfig.num_modules", minimum=1)
 
   @classmethod
   def for_target(cls, target: LlamaConfig, num_modules: int = 2, **overrides) -> "MTPConfig":

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spec_jax.core.errors import BadArgument, check_bool, check_int, check_real
 from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, causal_mask, write_rows
 from spec_jax.core.quantize import dense
 
@@ -53,17 +54,29 @@ class LlamaConfig:
   dtype: str = "float32"  # parameter and activation dtype; norms and softmax run in float32
 
   def __post_init__(self):
+    # types first: a "5" or 4.5 here would fail later with a TypeError, or silently truncate
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
                  "max_seq_len"):
-      if int(getattr(self, name)) <= 0:
-        raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+      check_int(getattr(self, name), f"LlamaConfig.{name}", minimum=1)
+    if self.head_dim is not None:
+      check_int(self.head_dim, "LlamaConfig.head_dim", minimum=1)
+    for name in ("rope_theta", "norm_eps"):
+      check_real(getattr(self, name), f"LlamaConfig.{name}", positive=True)
+    for name in ("qkv_bias", "tie_embeddings", "fused_projections", "kernels_out_in"):
+      check_bool(getattr(self, name), f"LlamaConfig.{name}")
     if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+      raise BadArgument(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
     if self.head_dim is None and self.dim % self.n_heads:
-      raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+      raise BadArgument(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
     if self.resolved_head_dim % 2:
-      raise ValueError(f"head_dim must be even for RoPE, got {self.resolved_head_dim}")
-    jnp.dtype(self.dtype)  # raises on an unknown dtype name
+      raise BadArgument(f"head_dim must be even for RoPE, got {self.resolved_head_dim}")
+    try:
+      floating = isinstance(self.dtype, str) and jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise BadArgument(f"LlamaConfig.dtype must name a floating dtype (float32, bfloat16, ...), "
+                        f"got {self.dtype!r}")
 
   @property
   def resolved_head_dim(self) -> int:
@@ -93,7 +106,7 @@ class LlamaConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known
     if unknown:
-      raise ValueError(f"unknown LlamaConfig fields: {sorted(unknown)}")
+      raise BadArgument(f"unknown LlamaConfig fields: {sorted(unknown)}")
     return cls(**d)
 
 

@@ -13,7 +13,8 @@ import os
 import numpy as np
 
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.models.params_io import CheckpointError, params_from_flat, permute_adjacent_to_half
+from spec_jax.models.params_io import (CheckpointError, check_all_finite, params_from_flat,
+                                      permute_adjacent_to_half)
 
 _HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
                   "seq_len")
@@ -71,14 +72,16 @@ def load_llama2c(path: str, *, dtype: str = "float32") -> tuple[LlamaModel, obje
     n = int(np.prod(shape))
     arrays[name] = data[offset:offset + n].reshape(shape)
     offset += n
-  if not all(np.isfinite(arrays[k]).all() for k in ("token_embedding", "wq", "rms_final")):
-    raise CheckpointError(f"{path}: non-finite weights")
+  check_all_finite(arrays, path)  # the RoPE tables too: unused, but NaN there means damage
 
-  cfg = LlamaConfig(vocab_size=abs(header["vocab_size"]), dim=header["dim"],
-                    n_layers=header["n_layers"], n_heads=header["n_heads"],
-                    n_kv_heads=header["n_kv_heads"], hidden_dim=header["hidden_dim"],
-                    max_seq_len=header["seq_len"], rope_theta=10000.0, norm_eps=1e-5,
-                    tie_embeddings=header["vocab_size"] > 0, dtype=dtype)
+  try:
+    cfg = LlamaConfig(vocab_size=abs(header["vocab_size"]), dim=header["dim"],
+                      n_layers=header["n_layers"], n_heads=header["n_heads"],
+                      n_kv_heads=header["n_kv_heads"], hidden_dim=header["hidden_dim"],
+                      max_seq_len=header["seq_len"], rope_theta=10000.0, norm_eps=1e-5,
+                      tie_embeddings=header["vocab_size"] > 0, dtype=dtype)
+  except ValueError as e:  # e.g. an odd head_dim, which RoPE cannot rotate
+    raise CheckpointError(f"{path}: unsupported llama2.c header {header}: {e}") from e
   flat = {"embed": arrays["token_embedding"], "final_norm.scale": arrays["rms_final"]}
   for i in range(cfg.n_layers):
     p = f"layers.{i}."

@@ -12,8 +12,11 @@ import glob
 import os
 from typing import Any
 
+import jax.numpy as jnp
+
+from spec_jax.core.errors import BadArgument, CheckpointNotFound
 from spec_jax.models.llama import LlamaModel
-from spec_jax.models.params_io import CheckpointError
+from spec_jax.models.params_io import CheckpointError, read_json
 
 
 def _describe(folder: str, limit: int = 12) -> str:
@@ -26,10 +29,19 @@ def load_model(path: str, *, dtype: str | None = "float32") -> tuple[LlamaModel,
 
   `dtype=None` keeps a native checkpoint's saved dtype (float32 for the other formats).
   """
-  from spec_jax.models import native  # local: keeps orbax off the import path of llama2c-only users
-
+  if not isinstance(path, (str, os.PathLike)):
+    raise BadArgument(f"load_model: path must be a str or os.PathLike, got {type(path).__name__}")
+  path = os.fspath(path)
+  if dtype is not None:
+    try:
+      floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise BadArgument(f"load_model: dtype must be a floating dtype (float32, bfloat16, ...), "
+                        f"got {dtype!r}")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"no checkpoint at {path}")
+    raise CheckpointNotFound(f"no checkpoint at {path}")
   if os.path.isfile(path):
     if path.endswith(".bin"):
       from spec_jax.models.llama2c import load_llama2c
@@ -41,6 +53,8 @@ def load_model(path: str, *, dtype: str | None = "float32") -> tuple[LlamaModel,
                           "a *.gguf, or a folder with config.json)")
   if not os.path.isfile(os.path.join(path, "config.json")):
     raise CheckpointError(f"{path}: folder has no config.json; found: {_describe(path)}")
+  read_json(os.path.join(path, "config.json"))  # random bytes: a clear error, whatever format
+  from spec_jax.models import native  # here: orbax loads only for native folders
   if native.is_native(path):
     return native.load_native(path, dtype=dtype)
   if glob.glob(os.path.join(path, "*.safetensors")):

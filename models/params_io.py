@@ -7,18 +7,66 @@ Every checkpoint reader converts its file's tensors to our names and layouts, th
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spec_jax.core.errors import CheckpointError  # noqa: F401  (re-exported: its old home)
 from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_names, path_to_name
 from spec_jax.models.llama import LAYOUTS, LlamaModel
 
 
-class CheckpointError(ValueError):
-  """A checkpoint file is truncated, malformed, inconsistent or unsupported."""
+def read_json(path, error=None):
+  """A JSON file -> its value; unreadable, non-UTF-8 or malformed text raises `error`
+  (CheckpointError by default) naming the file, never a UnicodeDecodeError."""
+  error = error or CheckpointError
+  try:
+    with open(path, "rb") as f:
+      return json.loads(f.read().decode("utf-8"))
+  except OSError as e:
+    raise error(f"{path}: unreadable: {e}") from e
+  except UnicodeDecodeError as e:
+    raise error(f"{path}: not UTF-8 text (bad byte at offset {e.start}): not a JSON file") from e
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, or absurdly deep nesting
+    raise error(f"{path}: malformed JSON: {str(e)[:200]}") from e
+
+
+def check_finite(name: str, array, source: str) -> None:
+  """CheckpointError naming `source` and tensor `name` unless every value is finite (one
+  vectorised pass; integer tensors are always finite)."""
+  a = np.asarray(array)
+  if a.dtype.kind not in "fc" and a.dtype.name not in ("bfloat16", "float8_e4m3fn",
+                                                       "float8_e5m2"):
+    return
+  finite = np.isfinite(a)
+  if not finite.all():
+    bad = int(a.size - np.count_nonzero(finite))
+    first = np.unravel_index(int(np.argmin(finite.reshape(-1))), a.shape) if a.ndim else ()
+    raise CheckpointError(f"{source}: tensor {name} holds {bad} non-finite values (NaN or inf; "
+                          f"first at index {tuple(int(i) for i in first)}): corrupt weights")
+
+
+def check_all_finite(flat: dict, source: str) -> None:
+  for name, array in flat.items():
+    check_finite(name, array, source)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(n_layers, names, source: str, field: str = "n_layers") -> None:
+  """The config's layer count must match the layers the file holds tensors for: checked on
+  names alone, before anything is built per layer (a config claiming 10**7 layers fails
+  here, in microseconds, not after building 10**7 layers' names)."""
+  found = {int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))}
+  if n_layers != len(found) or (found and max(found) != len(found) - 1):
+    held = f"layers {min(found)}..{max(found)} ({len(found)} distinct)" if found else "no layers"
+    raise CheckpointError(f"{source}: the config says {field}={n_layers}, but the file holds "
+                          f"tensors for {held}")
 
 
 def flat_names(model: LlamaModel) -> dict[str, jax.ShapeDtypeStruct]:

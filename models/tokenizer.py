@@ -22,9 +22,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from spec_jax.core.errors import TokenizerError
 
-class TokenizerError(ValueError):
-  """A tokenizer file is missing, malformed, or does not fit what the caller expects."""
+
+def check_text(text: str, source: str) -> None:
+  """Text to encode must be a str that UTF-8 can encode: a lone surrogate (e.g. from bytes
+  decoded with surrogateescape) is a TokenizerError, not a UnicodeEncodeError mid-encode."""
+  if not isinstance(text, str):
+    raise TokenizerError(f"{source}: encode takes a str, got {type(text).__name__}")
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise TokenizerError(f"{source}: text is not valid Unicode: lone surrogate "
+                         f"U+{ord(text[e.start]):04X} at index {e.start}; decode bytes with "
+                         "errors='replace' first") from None
 
 
 @runtime_checkable
@@ -223,6 +234,7 @@ class Llama2cTokenizer:
     " " is missing, where C would emit -1 and we fall back to its byte). Unlike C, a NUL
     character is encoded (as its byte) rather than ending the string.
     """
+    check_text(text, self.source)
     ids = [self.BOS_ID] if add_bos else []
     if text:
       ids += self._chars_to_ids(" " + text)
@@ -322,10 +334,12 @@ def _read_json(path: Path) -> Any:
     text = path.read_text(encoding="utf-8")
   except OSError as e:
     raise TokenizerError(f"{path}: cannot read: {e}") from e
+  except UnicodeDecodeError as e:
+    raise TokenizerError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from e
   try:
     return json.loads(text)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise TokenizerError(f"{path}: malformed JSON: {e}") from e
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    raise TokenizerError(f"{path}: malformed JSON: {str(e)[:200]}") from e
 
 
 def _read_optional_config(path: Path) -> dict[str, Any]:
@@ -401,6 +415,7 @@ class HFTokenizer:
     return tuple(self._tok.id_to_token(i) for i in range(self._vocab_size))
 
   def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
+    check_text(text, self.source)
     ids = self._tok.encode(text, add_special_tokens=False).ids
     if add_bos and self._bos_id is not None:
       ids = [self._bos_id] + ids

@@ -372,7 +372,7 @@ def test_config_mapping_reads_legacy_and_v5_rope_theta():
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
           max_window_layers=1), r"sliding_window=64"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
-    (dict(num_attention_heads=None), r"invalid config"),
+    (dict(num_attention_heads=None), r"lacks required field .num_attention_heads"),
 ])
 def test_unsupported_configs_are_rejected(changes, message):
   with pytest.raises(CheckpointError, match=message):

@@ -25,7 +25,7 @@ from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_name
 from spec_jax.drafters import registry
 from spec_jax.drafters.base import check_feature_layers
 from spec_jax.models.drafter_heads import HeadParams, shared_head
-from spec_jax.models.params_io import CheckpointError
+from spec_jax.models.params_io import CheckpointError, check_all_finite, read_json
 
 FORMAT = "spec_jax-drafter"
 DRAFTER_JSON = "drafter.json"
@@ -67,6 +67,21 @@ def export_drafter(folder: str | os.PathLike, kind: str, model, own) -> Path:
   return folder
 
 
+# config fields that count repeated modules: each holds at least one stored tensor
+_COUNT_FIELDS = ("n_layers", "num_heads", "num_modules", "num_layers")
+
+
+def _check_counts(config, num_tensors: int, source: str) -> None:
+  """Cheap bound before any model is built: a config claiming 10**7 heads or layers cannot
+  describe a file of a few tensors (and would take minutes and gigabytes to build)."""
+  if isinstance(config, dict):
+    for key, value in config.items():
+      if key in _COUNT_FIELDS and isinstance(value, int) and value > max(num_tensors, 1):
+        raise CheckpointError(f"{source}: the description says {key}={value}, but the file "
+                              f"holds only {num_tensors} tensors")
+      _check_counts(value, num_tensors, source)
+
+
 def read_drafter(folder: str | os.PathLike) -> tuple[str, Any, Any]:
   """-> (kind, model handle, own params), validated against the stored config."""
   import safetensors
@@ -75,27 +90,29 @@ def read_drafter(folder: str | os.PathLike) -> tuple[str, Any, Any]:
   if missing:
     raise CheckpointError(f"{folder}: not an exported drafter (missing {', '.join(missing)}; "
                           "scripts/train_drafter.py --export-dir writes them)")
-  try:
-    meta = json.loads((folder / DRAFTER_JSON).read_text())
-    kind, config = meta["kind"], meta["config"]
-    fam = registry.trained_family(kind) if isinstance(kind, str) else None
-    if fam is None:
-      raise ValueError(f"kind {kind!r} is not a string")
-    model = fam.trained.model_from_config(config)
-  except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-    raise CheckpointError(f"{folder / DRAFTER_JSON}: malformed drafter description ({e})") from e
   path = folder / DRAFTER_WEIGHTS
   try:
     with safetensors.safe_open(str(path), framework="numpy") as f:
       flat = {name: f.get_tensor(name) for name in f.keys()}
-  except (safetensors.SafetensorError, OSError) as e:
+  except (safetensors.SafetensorError, OSError, TypeError, ValueError) as e:
     raise CheckpointError(f"{path}: truncated or malformed safetensors file ({e})") from e
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_own(model))
+  meta = read_json(folder / DRAFTER_JSON,
+                   error=lambda m: CheckpointError(f"malformed drafter description: {m}"))
+  try:
+    kind, config = meta["kind"], meta["config"]
+    fam = registry.trained_family(kind) if isinstance(kind, str) else None
+    if fam is None:
+      raise ValueError(f"kind {kind!r} is not a string")
+    _check_counts(config, len(flat), str(path))
+    model = fam.trained.model_from_config(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_own(model))
+  except CheckpointError:
+    raise
+  except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+    raise CheckpointError(f"{folder / DRAFTER_JSON}: malformed drafter description ({e})") from e
   check_names_and_shapes({path_to_name(p): leaf for p, leaf in leaves}, flat, source=str(path),
                          error=CheckpointError, expected_by=f"the {kind} config")
-  for name, value in flat.items():
-    if not np.all(np.isfinite(value)):
-      raise CheckpointError(f"{path}: {name} has non-finite values")
+  check_all_finite(flat, str(path))
   own = jax.tree_util.tree_unflatten(
       treedef, [jnp.asarray(flat[path_to_name(p)], leaf.dtype) for p, leaf in leaves])
   return kind, model, own

@@ -19,7 +19,7 @@ lossless. Its commit sees the accepted path in chain form, so the bookkeeping is
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import heapq
 
 import jax
 import jax.numpy as jnp
@@ -120,11 +120,45 @@ class MedusaTreeDrafter(TreeDrafter):
 def static_choices(tree: TreeOptions) -> tuple[tuple[int, ...], ...]:
   """A static (Medusa-style) tree of the same budget: the `nodes - 1` paths of ranks < top_k
   and length <= depth with the smallest rank sums (shorter first on ties), so every path's
-  parent is in the tree before it."""
-  paths = [p for d in range(1, tree.depth + 1)
-           for p in itertools.product(range(tree.top_k), repeat=d)]
-  paths.sort(key=lambda p: (sum(p), len(p), p))
-  return tuple(paths[:tree.nodes - 1])
+  parent is in the tree before it.
+
+  Best-first over a heap, never enumerating the top_k**depth paths: each path is generated
+  once, by its previous sibling (last rank - 1) or, for rank 0, by its parent, and both
+  sort before it; so time O(nodes log nodes) and memory O(nodes) (`--tree 12,10,16` once
+  built 10**12 paths before anything was checked)."""
+  for name in ("depth", "top_k", "nodes"):
+    value = getattr(tree, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "nodes" else 1):
+      raise ValueError(f"tree {name} must be an integer >= {2 if name == 'nodes' else 1}, "
+                       f"got {value!r}")
+  paths, level = 0, 1  # paths of length <= depth, counted only until the budget is met
+  for _ in range(tree.depth):
+    level = min(level * tree.top_k, tree.nodes)
+    paths += level
+    if paths >= tree.nodes - 1:
+      break
+  if tree.nodes - 1 > paths:
+    raise ValueError(f"a static tree of depth {tree.depth} and top-k {tree.top_k} has at most "
+                     f"{paths + 1} nodes (root included), got nodes={tree.nodes}")
+  key = lambda p: (sum(p), len(p), p)
+  heap, out = [(key((0,)), (0,))], []
+  while heap and len(out) < tree.nodes - 1:
+    _, path = heapq.heappop(heap)
+    out.append(path)
+    if path[-1] + 1 < tree.top_k:  # next sibling
+      sibling = path[:-1] + (path[-1] + 1,)
+      heapq.heappush(heap, (key(sibling), sibling))
+    if len(path) < tree.depth:  # first child
+      heapq.heappush(heap, (key(path + (0,)), path + (0,)))
+  return tuple(out)
+
+
+def _tree_drafter(model, tree: TreeOptions) -> MedusaTreeDrafter:
+  # checked before the tree is built: a depth no head can draft is an error, not a big tree
+  if tree.depth > model.num_heads:
+    raise ValueError(f"a Medusa tree of depth {tree.depth} needs as many heads; the model has "
+                     f"{model.num_heads}")
+  return MedusaTreeDrafter(model, static_choices(tree))
 
 
 def medusa_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
@@ -153,6 +187,6 @@ register(DrafterFamily(
     tree=True,
     trained=Trained(new_model=_new_model, model_from_config=_model_from_config,
                     chain=MedusaDrafter,
-                    tree=lambda model, tree: MedusaTreeDrafter(model, static_choices(tree)),
+                    tree=_tree_drafter,
                     loss=medusa_loss, hidden_width=lambda model: model.config.dim,
                     max_gamma=lambda model: model.num_heads)))
