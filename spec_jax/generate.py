@@ -12,6 +12,7 @@ not yet fed to the model, so the model's cache always holds `prompt + generated 
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any, Sequence
 
 import jax
@@ -21,9 +22,13 @@ from flax import struct
 
 from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import KVCache
-from spec_jax.core.sampling import SamplingConfig, sample
+from spec_jax.core.sampling import (SamplingConfig, TokenCounts, TokenHistory, process_logits,
+                                    sample)
 
-NO_EOS = -1
+NO_EOS = -1  # an EOS id that matches no token
+
+# eos_id arguments: one id, several (Llama 3 instruct models declare two), or None
+EosIds = int | Sequence[int] | None
 
 
 @struct.dataclass
@@ -104,13 +109,43 @@ def budgets_array(max_new_tokens: int, budgets_B, batch_size: int) -> np.ndarray
   return budgets
 
 
-def key_and_eos(sampling: SamplingConfig, key, eos_id: int | None) -> tuple[jax.Array, int]:
-  """The PRNG key (required when sampling; greedy needs none) and the EOS id (NO_EOS if None)."""
+def eos_array(eos_id: EosIds, vocab_size: int | None = None) -> np.ndarray:
+  """[E] int32 EOS ids from one id, a sequence of ids, or None ([NO_EOS]: nothing stops).
+
+  Each id must be an integer inside the vocabulary (when vocab_size is given). The array's
+  length is part of the compiled program's shapes; its values are not.
+  """
+  if eos_id is None:
+    return np.array([NO_EOS], np.int32)
+  ids = list(np.asarray(eos_id).reshape(-1)) if isinstance(eos_id, np.ndarray) else (
+      [eos_id] if isinstance(eos_id, numbers.Number) else list(eos_id))
+  if not ids:
+    raise ValueError("eos_id is an empty sequence; pass None for no EOS")
+  for i in ids:
+    if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
+      raise ValueError(f"EOS ids must be integers, got {eos_id!r}")
+    if i < 0 or (vocab_size is not None and i >= vocab_size):
+      raise ValueError(f"EOS id {int(i)} is outside the model's vocabulary "
+                       f"[0, {vocab_size if vocab_size is not None else '...'})")
+  return np.array([int(i) for i in ids], np.int32)
+
+
+def key_and_eos(sampling: SamplingConfig, key, eos_id: EosIds,
+                vocab_size: int | None = None) -> tuple[jax.Array, np.ndarray]:
+  """The PRNG key (required when sampling; greedy needs none) and the EOS ids (eos_array)."""
   if key is None:
     if not sampling.is_greedy:
       raise ValueError("sampling with temperature > 0 needs a PRNG key")
     key = jax.random.key(0)
-  return key, NO_EOS if eos_id is None else int(eos_id)
+  return key, eos_array(eos_id, vocab_size)
+
+
+def token_history(sampling: SamplingConfig, num_generated_B, eos_E,
+            counts: TokenCounts | None) -> TokenHistory | None:
+  """What process_logits reads at each row's next token; None when nothing is processed."""
+  if not sampling.processes_logits:
+    return None
+  return TokenHistory(num_generated_B, jnp.reshape(eos_E, (-1,)), counts)
 
 
 def prefill(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
@@ -133,14 +168,15 @@ def write_tokens(seq_BS, start_B, new_BT, count_B):
                                                                              new_BT)
 
 
-def tokens_to_emit(new_BT, num_new_B, num_generated_B, budget_B, done_B, eos_id):
+def tokens_to_emit(new_BT, num_new_B, num_generated_B, budget_B, done_B, eos_E):
   """How many of the candidate tokens each row keeps, and whether it is then done.
 
-  A row keeps its candidates up to and including the first EOS, never more than its
-  remaining budget, and nothing once it is done.
+  A row keeps its candidates up to and including the first EOS (any of eos_E's ids), never
+  more than its remaining budget, and nothing once it is done.
   """
   j_T = jnp.arange(new_BT.shape[1], dtype=jnp.int32)
-  is_eos_BT = (new_BT == eos_id) & (j_T[None, :] < num_new_B[:, None])
+  eos_E = jnp.reshape(eos_E, (-1,))
+  is_eos_BT = jnp.any(new_BT[..., None] == eos_E, axis=-1) & (j_T[None, :] < num_new_B[:, None])
   first_eos_B = jnp.where(is_eos_BT.any(axis=1), jnp.argmax(is_eos_BT, axis=1), new_BT.shape[1])
   count_B = jnp.minimum(jnp.minimum(num_new_B, first_eos_B + 1), budget_B - num_generated_B)
   count_B = jnp.where(done_B, 0, jnp.maximum(count_B, 0))
@@ -149,14 +185,21 @@ def tokens_to_emit(new_BT, num_new_B, num_generated_B, budget_B, done_B, eos_id)
   return count_B, now_done_B
 
 
-def first_token(key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, sampling):
-  """Samples the first generated token after prefill and writes it into the buffer."""
-  pending_B = sample(key, last_logits_BV, sampling)
+def first_token(key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_E, sampling,
+                counts: TokenCounts | None = None):
+  """Samples the first generated token after prefill and writes it into the buffer.
+
+  -> (pending, seq, num_generated, done, counts with the token added).
+  """
   zeros_B = jnp.zeros_like(lengths_B)
+  last_logits_BV = process_logits(last_logits_BV, sampling,
+                                  token_history(sampling, zeros_B, eos_E, counts))
+  pending_B = sample(key, last_logits_BV, sampling)
   count_B, done_B = tokens_to_emit(pending_B[:, None], jnp.ones_like(lengths_B), zeros_B, budget_B,
-                                   jnp.zeros_like(lengths_B, bool), eos_id)
+                                   jnp.zeros_like(lengths_B, bool), eos_E)
   seq_BS = write_tokens(seq_BS, lengths_B, pending_B[:, None], count_B)
-  return pending_B, seq_BS, count_B, done_B
+  counts = None if counts is None else counts.add(pending_B[:, None], count_B)
+  return pending_B, seq_BS, count_B, done_B, counts
 
 
 def gather_generated(seq_BS, lengths_B, num_generated_B, max_new_tokens: int, pad_id):
@@ -181,17 +224,19 @@ class _ARState:
   cache: KVCache
   key: jax.Array
   step: jax.Array
+  counts: TokenCounts | None = None  # only with penalties (SamplingConfig.has_penalties)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_len", "sampling"))
-def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_id, pad_id, key, *,
+def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_E, pad_id, key, *,
                   max_new_tokens: int, cache_len: int, sampling: SamplingConfig):
   seq_BS = initial_buffer(tokens_BP, cache_len)
   last_logits_BV, _, cache = prefill(model, params, tokens_BP, lengths_B, cache_len)
   key, first_key = jax.random.split(key)
-  pending_B, seq_BS, num_generated_B, done_B = first_token(
-      first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, sampling)
-  state = _ARState(seq_BS, pending_B, num_generated_B, done_B, cache, key, jnp.int32(0))
+  counts = TokenCounts.of_prompts(tokens_BP, lengths_B, model.vocab_size, sampling)
+  pending_B, seq_BS, num_generated_B, done_B, counts = first_token(
+      first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_E, sampling, counts)
+  state = _ARState(seq_BS, pending_B, num_generated_B, done_B, cache, key, jnp.int32(0), counts)
 
   def cond(s: _ARState):
     return jnp.any(~s.done_B) & (s.step < max_new_tokens)
@@ -202,13 +247,16 @@ def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_id, pad_id, 
     logits_B1V, _, cache = model.apply(params, s.pending_B[:, None], positions_B1, s.cache)
     active_B = (~s.done_B).astype(jnp.int32)
     cache = cache.with_length(cache.length_B + active_B)  # done rows stay where they are
-    next_B = sample(step_key, logits_B1V[:, 0], sampling)
+    logits_BV = process_logits(logits_B1V[:, 0], sampling,
+                               token_history(sampling, s.num_generated_B, eos_E, s.counts))
+    next_B = sample(step_key, logits_BV, sampling)
     count_B, done_B = tokens_to_emit(next_B[:, None], jnp.ones_like(active_B), s.num_generated_B,
-                                     budget_B, s.done_B, eos_id)
+                                     budget_B, s.done_B, eos_E)
     seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, next_B[:, None], count_B)
     pending_B = jnp.where(s.done_B, s.pending_B, next_B)
+    counts = None if s.counts is None else s.counts.add(next_B[:, None], count_B)
     return _ARState(seq_BS, pending_B, s.num_generated_B + count_B, done_B, cache, key,
-                    s.step + 1)
+                    s.step + 1, counts)
 
   state = jax.lax.while_loop(cond, body, state)
   tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B, max_new_tokens,
@@ -217,7 +265,7 @@ def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_id, pad_id, 
 
 
 def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max_new_tokens: int,
-             sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
+             sampling: SamplingConfig = SamplingConfig(), eos_id: EosIds = None,
              key: jax.Array | None = None, budgets_B=None, pad_id: int = 0,
              cache_len: int | None = None, return_cache: bool = False):
   """Autoregressive generation for a padded batch of prompts, in one jitted call.
@@ -227,7 +275,9 @@ def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max
     prompt_lengths_B: [B] the number of real tokens in each row.
     max_new_tokens: static size of the output buffer (and default per-row budget).
     budgets_B: optional [B] per-row budgets <= max_new_tokens.
-    eos_id: a row stops after generating this token (kept in the output).
+    sampling: temperature / top-k / top-p, penalties, min_new_tokens (see SamplingConfig).
+    eos_id: a row stops after generating this token, or any of these tokens (kept in the
+      output); None: rows stop only at their budget.
     key: PRNG key, required when sampling.
   Returns GenerationOutput (and the final KVCache with `return_cache=True`).
   """
@@ -235,8 +285,8 @@ def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max
       model, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
-  key, eos = key_and_eos(sampling, key, eos_id)
-  out, cache = generate_jit(model, params, tokens, lengths, budgets, jnp.int32(eos),
+  key, eos = key_and_eos(sampling, key, eos_id, model.vocab_size)
+  out, cache = generate_jit(model, params, tokens, lengths, budgets, jnp.asarray(eos),
                              jnp.int32(pad_id), key, max_new_tokens=int(max_new_tokens),
                              cache_len=cache_len, sampling=sampling)
   return (out, cache) if return_cache else out

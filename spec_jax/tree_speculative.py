@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from spec_jax.drafters.base import DraftContext, TreeDrafter
 from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
-from spec_jax.core.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig, process_logits
+from spec_jax.generate import EosIds, token_history
 from spec_jax.speculative import SpecState, speculative_jit, commit_round, prepare
 from spec_jax.tree_verify import verify_tree
 
@@ -57,7 +58,8 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
   """One round over a token tree; the signature of speculative.speculative_round."""
   key, draft_key, verify_key = jax.random.split(s.key, 3)
   length_B = s.cache.length_B
-  ctx = DraftContext(s.seq_BS, length_B, s.pending_B)
+  history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
+  ctx = DraftContext(s.seq_BS, length_B, s.pending_B, history)
   tree, draft_state = drafter.propose_tree(draft_params, s.draft_state, ctx, sampling, draft_key)
   if tree.max_depth != max_depth:
     raise ValueError(f"the drafter's tree has max_depth {tree.max_depth}, expected {max_depth}")
@@ -66,23 +68,29 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
   num_nodes = tree.num_nodes
   positions_BN = length_B[:, None] + tree.depth_BN
   slots_BN = length_B[:, None] + jnp.arange(num_nodes, dtype=jnp.int32)[None, :]
-  mask_BNS = tree_mask(length_B, tree.ancestors(), s.cache.max_len)
+  ancestors_BNN = tree.ancestors()
+  mask_BNS = tree_mask(length_B, ancestors_BNN, s.cache.max_len)
   logits_BNV, hidden_BND, cache = target.apply(params, tree.tokens_BN, positions_BN, s.cache,
                                                slots_BT=slots_BN, mask_BTS=mask_BNS)
+  if history is not None:  # node i's logits: processed after the context + its path
+    logits_BNV = process_logits(logits_BNV, sampling,
+                                history.along_tree(tree.tokens_BN, ancestors_BNN, tree.depth_BN))
   path_BR1, num_accepted_B, next_B = verifier(tree, logits_BNV, sampling, verify_key)
 
   cache = compact_path(cache, length_B, path_BR1)
   path_tokens_BR = jnp.take_along_axis(tree.tokens_BN, path_BR1[:, 1:], axis=1)
   path_hidden_BR1D = jnp.take_along_axis(hidden_BND, path_BR1[:, :, None], axis=1)
-  return commit_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, cache,
-                      draft_state, path_tokens_BR, num_accepted_B, next_B, path_hidden_BR1D,
-                      tree_path_BR1=path_BR1)
+  return commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
+                      budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
+                      draft_state=draft_state, draft_tokens_BG=path_tokens_BR,
+                      num_accepted_B=num_accepted_B, next_B=next_B,
+                      hidden_BG1D=path_hidden_BR1D, tree_path_BR1=path_BR1)
 
 
 def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, draft_params,
                               prompt_tokens_BP, prompt_lengths_B, *, max_new_tokens: int,
                               sampling: SamplingConfig = SamplingConfig(),
-                              eos_id: int | None = None, key: jax.Array | None = None,
+                              eos_id: EosIds = None, key: jax.Array | None = None,
                               budgets_B=None, pad_id: int = 0, cache_len: int | None = None,
                               return_state: bool = False, verifier=verify_tree):
   """Token-tree speculative generation; arguments and output as `speculative_generate`.

@@ -144,7 +144,8 @@ def verify_tree(tree: TokenTree, target_logits_BNV: jax.Array, sampling: Samplin
   past num_accepted are padding (0). num_accepted_B [B] in [0, max_depth]: drafts kept.
   next_token_B [B]: the correction or bonus token, the next round's pending token.
   target_logits_BNV are the target's logits at every node (the distribution of the token
-  after it); they are warped here with `sampling`, as the tree's probs must already be.
+  after it); they are warped here with `sampling`, as the tree's probs must already be (the
+  round has already processed them: penalties, min_new_tokens, from each node's path).
   """
   check_tree_shapes(tree, target_logits_BNV)
   if sampling.is_greedy:

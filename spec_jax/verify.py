@@ -73,7 +73,8 @@ def verify(draft_tokens_BG: jax.Array, draft_probs_BGV: jax.Array | None,
   """-> (num_accepted [B] in [0, gamma], next_token [B]).
 
   draft_probs_BGV are the warped probabilities the drafter sampled from (None for
-  deterministic drafters); target logits are warped here with the same settings.
+  deterministic drafters); target logits are warped here with the same settings (the round
+  has already processed them: penalties and min_new_tokens, from each position's context).
   """
   check_verify_shapes(draft_tokens_BG, draft_probs_BGV, target_logits_BG1V)
   if sampling.is_greedy:

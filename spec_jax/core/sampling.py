@@ -2,6 +2,11 @@
 
 The speculative verifier warps target and draft logits with this same function, which is
 what keeps speculative sampling distributed exactly as plain sampling from the target.
+
+Before warping, `process_logits` applies what depends on the tokens so far: repetition,
+presence and frequency penalties and min_new_tokens (EOS forbidden until a row has that
+many tokens). A verify block's position i is processed from the context it predicts
+after (prompt + generated + the drafts before it), so verification stays exact.
 """
 
 from __future__ import annotations
@@ -10,14 +15,30 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """temperature 0 means greedy; top_k 0 means no top-k; top_p 1 means no nucleus cut."""
+  """How a next token is chosen from the logits. Static (hashable): a jit argument.
+
+  temperature 0 means greedy (the argmax of the processed logits); top_k 0 means no top-k;
+  top_p 1 means no nucleus cut. The rest act on the logits before warping, in this order
+  (HF applies its processors before its warpers too):
+    repetition_penalty: HF's: for tokens in the context (prompt + generated), logits > 0
+        are divided by it, logits < 0 multiplied; 1 is off.
+    presence_penalty, frequency_penalty: OpenAI's / vLLM's, over generated tokens only:
+        logit -= frequency_penalty * count + presence_penalty * (count > 0); 0 is off.
+    min_new_tokens: every EOS id gets logit -inf while a row has generated fewer tokens.
+  With the defaults nothing is processed and the compiled program carries no counts.
+  """
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  min_new_tokens: int = 0
 
   def __post_init__(self):
     if not self.temperature >= 0.0:
@@ -26,10 +47,160 @@ class SamplingConfig:
       raise ValueError(f"top_k must be a non-negative integer, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if not 0.0 < self.repetition_penalty < float("inf"):
+      raise ValueError(f"repetition_penalty must be > 0 and finite, got "
+                       f"{self.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+      value = getattr(self, name)
+      if not abs(value) < float("inf"):  # negative values reward repeats, as in vLLM
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if isinstance(self.min_new_tokens, bool) or int(self.min_new_tokens) != self.min_new_tokens \
+        or self.min_new_tokens < 0:
+      raise ValueError(f"min_new_tokens must be a non-negative integer, got "
+                       f"{self.min_new_tokens}")
 
   @property
   def is_greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def has_penalties(self) -> bool:
+    """Whether the logits depend on which tokens came before (counts must be kept)."""
+    return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or \
+        self.frequency_penalty != 0.0
+
+  @property
+  def processes_logits(self) -> bool:
+    """Whether process_logits changes anything (else it is never called)."""
+    return self.has_penalties or self.min_new_tokens > 0
+
+
+# --- processing from the tokens so far ---------------------------------------------------------
+
+def _scatter_rows(buf_BV, tokens_BK, weights_BK, op: str):
+  """buf[b, tokens[b, k]] (op)= weights[b, k]: a vmapped scatter, local to each batch shard."""
+  def row(b_V, t_K, w_K):
+    return getattr(b_V.at[t_K], op)(w_K, mode="drop")
+  return jax.vmap(row)(buf_BV, tokens_BK, weights_BK)
+
+
+@struct.dataclass
+class TokenCounts:
+  """Per-row statistics of the tokens so far, over the vocabulary. A field is None when no
+  setting reads it, so a generation without penalties carries no such buffer.
+
+  Fields may have more leading axes ([B, N, V]: one context per verified node).
+  """
+  in_context_BV: jax.Array | None  # bool: occurs in prompt + generated (repetition_penalty)
+  generated_BV: jax.Array | None  # int32: times generated (presence / frequency penalty)
+
+  @classmethod
+  def of_prompts(cls, tokens_BP, lengths_B, vocab_size: int,
+                 cfg: SamplingConfig) -> TokenCounts | None:
+    """The counts before anything is generated; None when `cfg` has no penalties."""
+    if not cfg.has_penalties:
+      return None
+    batch, width = tokens_BP.shape
+    in_context_BV = None
+    if cfg.repetition_penalty != 1.0:
+      valid_BP = jnp.arange(width)[None, :] < lengths_B[:, None]
+      in_context_BV = _scatter_rows(jnp.zeros((batch, vocab_size), bool),
+                                    jnp.where(valid_BP, tokens_BP, vocab_size), valid_BP, "set")
+    generated_BV = None
+    if cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0:
+      generated_BV = jnp.zeros((batch, vocab_size), jnp.int32)
+    return cls(in_context_BV, generated_BV)
+
+  def add(self, tokens_BK, count_B) -> TokenCounts:
+    """The counts after each row generates its first count_B[b] tokens of tokens_BK."""
+    vocab = (self.in_context_BV if self.generated_BV is None else self.generated_BV).shape[-1]
+    valid_BK = jnp.arange(tokens_BK.shape[1])[None, :] < count_B[:, None]
+    idx_BK = jnp.where(valid_BK, tokens_BK, vocab)  # out of range: dropped
+    return TokenCounts(
+        None if self.in_context_BV is None else
+        _scatter_rows(self.in_context_BV, idx_BK, valid_BK, "set"),
+        None if self.generated_BV is None else
+        _scatter_rows(self.generated_BV, idx_BK, valid_BK.astype(jnp.int32), "add"))
+
+  def along_tree(self, tokens_BN, ancestors_BNN) -> TokenCounts:
+    """[B, N, V] counts per node: node i's context adds the tokens of its ancestors and
+    itself, but not the root's (node 0: the pending token, already counted)."""
+    batch, num_nodes = tokens_BN.shape
+    weights_BNN = ancestors_BNN & (jnp.arange(num_nodes) > 0)[None, None, :]
+
+    def per_node(buf_BV, op: str, dtype):
+      if buf_BV is None:
+        return None
+
+      def row(b_V, w_NN, t_N):  # node i: b[t[j]] (op)= w[i, j], for each j
+        return jax.vmap(lambda w_N: getattr(b_V.at[t_N], op)(w_N))(w_NN)
+
+      return jax.vmap(row)(buf_BV, weights_BNN.astype(dtype), tokens_BN)
+
+    return TokenCounts(per_node(self.in_context_BV, "max", bool),
+                       per_node(self.generated_BV, "add", jnp.int32))
+
+
+@struct.dataclass
+class TokenHistory:
+  """What process_logits reads for one position per row ([B]), or per node of a block
+  ([B, N]): the tokens generated before it, the EOS ids, and the counts (None without
+  penalties)."""
+  num_generated: jax.Array  # int32 [B] or [B, N]: tokens generated before this position's
+  eos_E: jax.Array  # int32 [E] EOS ids (-1: none), forbidden before min_new_tokens
+  counts: TokenCounts | None = None
+
+  def push(self, token_B) -> TokenHistory:
+    """The history one token later (a chain drafter after drawing token_B)."""
+    counts = None if self.counts is None else self.counts.add(
+        token_B[:, None], jnp.ones_like(token_B))
+    return TokenHistory(self.num_generated + 1, self.eos_E, counts)
+
+  def ahead(self, depth) -> TokenHistory:
+    """For the nodes of a tree level ([B, T, V] logits) whose paths are not tracked: `depth`
+    (an int, or [T]) tokens later, the counts still the round's. Tree drafters rank children
+    with this; any ranking keeps verification exact (a tree's q is one-hot)."""
+    counts = None if self.counts is None else jax.tree.map(lambda c: c[:, None], self.counts)
+    return TokenHistory(self.num_generated[:, None] + jnp.asarray(depth, jnp.int32), self.eos_E,
+                        counts)
+
+  def along_tree(self, tokens_BN, ancestors_BNN, depth_BN) -> TokenHistory:
+    """Per node of a tree whose root is the pending token: the history of the token that
+    follows node i (its path from the root added; see TokenCounts.along_tree)."""
+    counts = None if self.counts is None else self.counts.along_tree(tokens_BN, ancestors_BNN)
+    return TokenHistory(self.num_generated[:, None] + depth_BN, self.eos_E, counts)
+
+  def along_chain(self, tokens_BT) -> TokenHistory:
+    """along_tree for a chain [pending, d_1..d_{T-1}]: position i follows d_1..d_i."""
+    batch, width = tokens_BT.shape
+    lower_TT = jnp.tril(jnp.ones((width, width), bool))
+    depth_BT = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    return self.along_tree(tokens_BT, jnp.broadcast_to(lower_TT, (batch, width, width)),
+                           depth_BT)
+
+
+def process_logits(logits_XV: jax.Array, cfg: SamplingConfig,
+                   history: TokenHistory | None) -> jax.Array:
+  """The logits after penalties and min_new_tokens (float32); unchanged when `cfg` has
+  none. `history`'s leading axes are logits_XV's ([B] or [B, N])."""
+  if history is None or not cfg.processes_logits:
+    return logits_XV
+  logits_XV = logits_XV.astype(jnp.float32)
+  counts = history.counts
+  if cfg.repetition_penalty != 1.0:
+    penalised_XV = jnp.where(logits_XV > 0, logits_XV / cfg.repetition_penalty,
+                             logits_XV * cfg.repetition_penalty)
+    logits_XV = jnp.where(counts.in_context_BV, penalised_XV, logits_XV)
+  if cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0:
+    generated_XV = counts.generated_BV
+    logits_XV = logits_XV - (cfg.frequency_penalty * generated_XV.astype(jnp.float32) +
+                             cfg.presence_penalty * (generated_XV > 0).astype(jnp.float32))
+  if cfg.min_new_tokens > 0:
+    vocab = logits_XV.shape[-1]
+    is_eos_V = jnp.any(jnp.arange(vocab)[:, None] == history.eos_E[None, :], axis=-1)
+    early_X1 = (history.num_generated < cfg.min_new_tokens)[..., None]
+    logits_XV = jnp.where(is_eos_V & early_X1, -jnp.inf, logits_XV)
+  return logits_XV
 
 
 def greedy(logits_NV: jax.Array) -> jax.Array:
