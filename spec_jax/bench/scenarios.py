@@ -109,28 +109,10 @@ def group_kw(plan: Plan, tag: str) -> dict:
   return dict(repeats=plan.repeats, workers=plan.compile_workers, tag=tag)
 
 
-def drafter_factory():
-  """spec_jax.drafters.factory.make_drafter, or None with a note if it is missing."""
-  try:
-    from spec_jax.drafters.factory import make_drafter
-  except ImportError as e:
-    log(f"note: spec_jax.drafters.factory unavailable ({e}); only draft_model and prompt_lookup")
-    return None
-  return make_drafter
-
-
 def build_drafter(kind: str, target, params, **opts):
-  """-> (drafter, draft params), or raises ImportError when the drafter's module is missing."""
-  factory = drafter_factory()
-  if factory is not None:
-    return factory(kind, target, params, **opts)
-  if kind == "draft_model":
-    from spec_jax.drafters.draft_model import DraftModelDrafter
-    return DraftModelDrafter(opts["draft_model"]), opts["draft_params"]
-  if kind == "prompt_lookup":
-    from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
-    return PromptLookupDrafter(opts.get("max_ngram", 3), opts.get("min_ngram") or 1), None
-  raise ImportError(f"drafter kind {kind!r} needs spec_jax.drafters.factory")
+  """-> (drafter, draft params) of any registered kind (spec_jax.drafters.make_drafter)."""
+  from spec_jax.drafters.factory import make_drafter
+  return make_drafter(kind, target, params, **opts)
 
 
 # ---- scenario 1: stories260K -----------------------------------------------------------------
