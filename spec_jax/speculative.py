@@ -23,26 +23,39 @@ from flax import struct
 from spec_jax.drafters.base import (DraftContext, Drafter, PromptInfo, RoundOutcome,
                                     target_with_features)
 from spec_jax.core.interface import CausalLM
-from spec_jax.generate import (GenerationOutput, budgets_array,
+from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
-                               initial_buffer, key_and_eos, prefill, tokens_to_emit,
-                               write_tokens)
+                               initial_buffer, key_and_eos, prefill, token_history,
+                               tokens_to_emit, write_tokens)
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.metrics import SpecMetrics
-from spec_jax.core.sampling import SamplingConfig, sample
+from spec_jax.core.sampling import SamplingConfig, TokenCounts, process_logits, sample
 from spec_jax.verify import verify
 
 
 @struct.dataclass
 class SpecState:
+  """The while_loop's carry between rounds; every array has the batch first."""
+  # [B, S] int32: each row's prompt (left-aligned), then its generated tokens; the rest 0
   seq_BS: jax.Array
+  # [B] int32: the newest generated token, in seq_BS but not yet fed to the target (the
+  # next round's block starts with it)
   pending_B: jax.Array
+  # [B] int32: tokens generated so far, pending included (seq_BS holds them after the prompt)
   num_generated_B: jax.Array
+  # [B] bool: the row met an EOS or its budget; it keeps its shape and writes nothing more
   done_B: jax.Array
+  # the target's KV cache; its length_B is the pending token's position (prompt +
+  # generated - 1 entries are valid)
   cache: KVCache
+  # the drafter's own pytree (see Drafter.init / propose / commit)
   draft_state: object
+  # the PRNG key, split every round
   key: jax.Array
+  # acceptance statistics per row and round (see spec_jax.metrics)
   metrics: SpecMetrics
+  # token counts the penalties read (SamplingConfig.has_penalties); None without penalties
+  counts: TokenCounts | None = None
 
 
 def candidates(draft_tokens_BG, num_accepted_B, next_B):
@@ -59,7 +72,8 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
                       s: SpecState) -> SpecState:
   key, draft_key, verify_key = jax.random.split(s.key, 3)
   length_B = s.cache.length_B
-  ctx = DraftContext(s.seq_BS, length_B, s.pending_B)
+  history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
+  ctx = DraftContext(s.seq_BS, length_B, s.pending_B, history)
   draft_tokens_BG, draft_probs_BGV, draft_state = drafter.propose(
       draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
 
@@ -68,6 +82,9 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
 
   def verify_drafts(cache):
     logits_BG1V, hidden_BG1D, cache = target.apply(params, block_BG1, positions_BG1, cache)
+    # position i is the distribution of d_{i+1}: processed after prompt + generated + d_1..d_i
+    logits_BG1V = process_logits(logits_BG1V, sampling,
+                                 None if history is None else history.along_chain(block_BG1))
     num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
                                       verify_key)
     return num_accepted_B, next_B, hidden_BG1D, cache
@@ -75,7 +92,7 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
   def one_step(cache):  # nothing drafted anywhere: an autoregressive step, no rejection
     logits_B1V, hidden_B1D, cache = target.apply(params, block_BG1[:, :1],
                                                  positions_BG1[:, :1], cache)
-    next_B = sample(verify_key, logits_B1V[:, 0], sampling)
+    next_B = sample(verify_key, process_logits(logits_B1V[:, 0], sampling, history), sampling)
     hidden_BG1D = jnp.pad(hidden_B1D, ((0, 0), (0, gamma), (0, 0)))  # past row 0: never read
     return jnp.zeros_like(next_B), next_B, hidden_BG1D, cache
 
@@ -85,23 +102,28 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
   else:
     num_accepted_B, next_B, hidden_BG1D, cache = jax.lax.cond(
         jnp.all(empty_B), one_step, verify_drafts, s.cache)
-  return commit_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, cache,
-                      draft_state, draft_tokens_BG, num_accepted_B, next_B, hidden_BG1D)
+  return commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
+                      budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
+                      draft_state=draft_state, draft_tokens_BG=draft_tokens_BG,
+                      num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D)
 
 
-def commit_round(drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, s: SpecState, key,
-                 ctx: DraftContext, cache: KVCache, draft_state, draft_tokens_BG, num_accepted_B,
-                 next_B, hidden_BG1D, **outcome_fields) -> SpecState:
+def commit_round(*, drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
+                 key, ctx: DraftContext, cache: KVCache, draft_state, draft_tokens_BG,
+                 num_accepted_B, next_B, hidden_BG1D, **outcome_fields) -> SpecState:
   """Step 4 of a round, shared by chain and tree rounds (which pass their accepted path).
 
+  `state` is the state the round started from, `key` the key the next round starts with, `ctx`
+  the round's DraftContext, `draft_state` what propose returned; eos_id is the [E] EOS ids.
   `cache` holds [pending, accepted drafts] at slots L..L+num_accepted; draft_tokens_BG are
-  the drafts in order (entries past num_accepted are never kept).
+  the drafts in order (entries past num_accepted are never kept). `outcome_fields` go to
+  RoundOutcome (a tree round's tree_path_BR1).
   """
   length_B = ctx.position_B
   new_BG1 = candidates(draft_tokens_BG, num_accepted_B, next_B)
-  count_B, done_B = tokens_to_emit(new_BG1, num_accepted_B + 1, s.num_generated_B, budget_B,
-                                   s.done_B, eos_id)
-  seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, new_BG1, count_B)
+  count_B, done_B = tokens_to_emit(new_BG1, num_accepted_B + 1, state.num_generated_B, budget_B,
+                                   state.done_B, eos_id)
+  seq_BS = write_tokens(state.seq_BS, lengths_B + state.num_generated_B, new_BG1, count_B)
   # The target now holds pending + drafts up to the last kept one (a row cut short by its
   # budget or an EOS keeps only what it emitted); the next token is the new pending one.
   kept_in_cache_B = jnp.where(count_B > 0, jnp.minimum(count_B, num_accepted_B) + 1, 0)
@@ -111,10 +133,11 @@ def commit_round(drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, s:
                          **outcome_fields)
   draft_state = drafter.commit(draft_params, draft_state, outcome)
   last_kept_B = jnp.take_along_axis(new_BG1, jnp.maximum(count_B - 1, 0)[:, None], axis=1)[:, 0]
-  pending_B = jnp.where(count_B > 0, last_kept_B, s.pending_B)
-  metrics = s.metrics.update(~s.done_B, num_accepted_B, count_B)
-  return SpecState(seq_BS, pending_B, s.num_generated_B + count_B, done_B, cache, draft_state,
-                   key, metrics)
+  pending_B = jnp.where(count_B > 0, last_kept_B, state.pending_B)
+  metrics = state.metrics.update(~state.done_B, num_accepted_B, count_B)
+  counts = None if state.counts is None else state.counts.add(new_BG1, count_B)
+  return SpecState(seq_BS, pending_B, state.num_generated_B + count_B, done_B, cache, draft_state,
+                   key, metrics, counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +162,14 @@ class SpeculativeProgram:
     last_logits_BV, hidden_BPD, cache = prefill(self.target, params, tokens_BP, lengths_B,
                                                 self.cache_len)
     key, first_key = jax.random.split(key)
-    pending_B, seq_BS, num_generated_B, done_B = first_token(
-        first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, self.sampling)
+    counts = TokenCounts.of_prompts(tokens_BP, lengths_B, self.target.vocab_size, self.sampling)
+    pending_B, seq_BS, num_generated_B, done_B, counts = first_token(
+        first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, self.sampling, counts)
     draft_state = self.drafter.init(draft_params, PromptInfo(tokens_BP, lengths_B,
                                                              self.cache_len, hidden_BPD))
     metrics = SpecMetrics.zeros(tokens_BP.shape[0], self.gamma).replace(tokens_B=num_generated_B)
-    return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics)
+    return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics,
+                     counts)
 
   def run(self, params, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
           round_limit) -> SpecState:
@@ -184,16 +209,16 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
       target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
-  key, eos = key_and_eos(sampling, key, eos_id)
+  key, eos = key_and_eos(sampling, key, eos_id, target.vocab_size)
   # a drafter that reads several target layers gets them with every target hidden state
   program = SpeculativeProgram(target_with_features(target, drafter), drafter, gamma,
                                int(max_new_tokens), cache_len, sampling, verifier)
-  return program, (tokens, lengths, budgets, jnp.int32(eos), jnp.int32(pad_id), key)
+  return program, (tokens, lengths, budgets, jnp.asarray(eos), jnp.int32(pad_id), key)
 
 
 def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_params,
                          prompt_tokens_BP, prompt_lengths_B, *, gamma: int, max_new_tokens: int,
-                         sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
+                         sampling: SamplingConfig = SamplingConfig(), eos_id: EosIds = None,
                          key: jax.Array | None = None, budgets_B=None, pad_id: int = 0,
                          cache_len: int | None = None, return_state: bool = False,
                          verifier=verify):
