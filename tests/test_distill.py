@@ -174,3 +174,36 @@ def test_generate_cli_runs_a_loaded_drafter_as_chain_and_tree(exported):
                                     str(exported["eagle"][0])],
                         capture_output=True, text=True, cwd=REPO, timeout=600)
   assert proc.returncode != 0 and "holds a eagle drafter, not medusa" in proc.stderr
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float16", 1e-3), ("int8", 1.5e-2)])
+def test_export_in_smaller_dtypes_round_trips_within_rounding(stories, exported, tmp_path,
+                                                             dtype, tolerance):
+  """float16 / int8 files (int8: matrices with per-column scales) read back as float32 params
+  within their rounding, and are smaller than the float32 file."""
+  model, params = stories
+  _, own = exported["eagle"]
+  spec = distill.make_spec("eagle", model)
+  folder = distill.export_drafter(tmp_path / dtype, spec, own, dtype=dtype)
+  _, _, draft_params = distill.load_drafter(folder, model, params)
+  for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(draft_params.own), strict=True):
+    a, b = np.asarray(a), np.asarray(b)
+    assert b.dtype == np.float32
+    np.testing.assert_allclose(b, a, atol=tolerance * max(float(np.abs(a).max()), 1e-6))
+  full = (exported["eagle"][0] / distill.DRAFTER_WEIGHTS).stat().st_size
+  assert (folder / distill.DRAFTER_WEIGHTS).stat().st_size < full
+  with pytest.raises(ValueError, match="drafter dtype"):
+    distill.export_drafter(tmp_path / "bad", spec, own, dtype="int4")
+
+
+def test_int8_file_without_scales_fails_clearly(stories, exported, tmp_path):
+  import safetensors.numpy
+  model, params = stories
+  folder = distill.export_drafter(tmp_path / "q", distill.make_spec("eagle", model),
+                                  exported["eagle"][1], dtype="int8")
+  path = folder / distill.DRAFTER_WEIGHTS
+  flat = safetensors.numpy.load_file(str(path))
+  safetensors.numpy.save_file({k: v for k, v in flat.items() if not k.endswith("int8_scale")},
+                              str(path))
+  with pytest.raises(CheckpointError, match="lacks scales"):
+    distill.load_drafter(folder, model, params)

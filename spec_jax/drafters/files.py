@@ -2,8 +2,11 @@
 
 A trained drafter is two files in one folder:
   drafter.json          {"format": FORMAT, "kind": ..., "config": the model's config}
-  drafter.safetensors   its own params (float32, '.'-joined names); families that read the
-                        target's embedding and head (Medusa, EAGLE, MTP) do not store them
+  drafter.safetensors   its own params ('.'-joined names); families that read the
+                        target's embedding and head (Medusa, EAGLE, MTP) do not store them.
+                        float32, float16, or int8: a matrix (ndim >= 2) as int8 NAME plus
+                        float32 NAME.int8_scale (one scale per last-axis column, symmetric);
+                        read back as float32 either way
 
 How each kind builds its model from the config, and which target widths it must match, is
 declared by its family (spec_jax.drafters.registry.Trained). Inference imports this module;
@@ -52,13 +55,55 @@ def draft_params_for(kind: str, own, target, target_params):
   return HeadParams(own, shared_head(target, target_params))
 
 
-def export_drafter(folder: str | os.PathLike, kind: str, model, own) -> Path:
-  """Writes drafter.json and drafter.safetensors (the drafter's own params) into `folder`."""
+EXPORT_DTYPES = ("float32", "float16", "int8")
+INT8_SCALE = ".int8_scale"  # suffix of an int8 matrix's scales
+
+
+def encode_tensors(flat: dict, dtype: str) -> dict[str, np.ndarray]:
+  """Named float arrays -> what the file stores in `dtype` (int8: matrices only; vectors,
+  e.g. norm scales, stay float32)."""
+  if dtype not in EXPORT_DTYPES:
+    raise ValueError(f"drafter dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
+  out = {}
+  for name, leaf in flat.items():
+    x = np.asarray(leaf, np.float32)
+    if dtype == "float16":
+      x = x.astype(np.float16)
+    elif dtype == "int8" and x.ndim >= 2:
+      scale = np.max(np.abs(x), axis=tuple(range(x.ndim - 1))) / 127.0
+      scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+      out[name + INT8_SCALE] = scale
+      x = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
+    out[name] = np.ascontiguousarray(x)
+  return out
+
+
+def decode_tensors(flat: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+  """The inverse of encode_tensors: float arrays (int8 matrices times their scales)."""
+  out = {}
+  for name, x in flat.items():
+    if name.endswith(INT8_SCALE):
+      if name[:-len(INT8_SCALE)] not in flat:
+        raise CheckpointError(f"{source}: {name} scales no tensor")
+      continue
+    if x.dtype == np.int8:
+      scale = flat.get(name + INT8_SCALE)
+      if scale is None or scale.shape != x.shape[-1:]:
+        raise CheckpointError(f"{source}: int8 tensor {name} lacks scales of shape "
+                              f"{x.shape[-1:]}")
+      x = x.astype(np.float32) * scale.astype(np.float32)
+    out[name] = x
+  return out
+
+
+def export_drafter(folder: str | os.PathLike, kind: str, model, own,
+                   dtype: str = "float32") -> Path:
+  """Writes drafter.json and drafter.safetensors (the drafter's own params, stored in
+  `dtype`: float32, float16 or int8) into `folder`."""
   import safetensors.numpy
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
-  tensors = {name: np.ascontiguousarray(np.asarray(leaf, np.float32))
-             for name, leaf in flatten_with_names(own).items()}
+  tensors = encode_tensors(flatten_with_names(own), dtype)
   tmp = folder / (DRAFTER_WEIGHTS + ".tmp")
   safetensors.numpy.save_file(tensors, str(tmp), metadata={"format": FORMAT})
   tmp.replace(folder / DRAFTER_WEIGHTS)
@@ -96,6 +141,7 @@ def read_drafter(folder: str | os.PathLike) -> tuple[str, Any, Any]:
       flat = {name: f.get_tensor(name) for name in f.keys()}
   except (safetensors.SafetensorError, OSError, TypeError, ValueError) as e:
     raise CheckpointError(f"{path}: truncated or malformed safetensors file ({e})") from e
+  flat = decode_tensors(flat, str(path))
   meta = read_json(folder / DRAFTER_JSON,
                    error=lambda m: CheckpointError(f"malformed drafter description: {m}"))
   try:

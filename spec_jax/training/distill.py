@@ -250,6 +250,8 @@ def write_description(checkpoint_dir: str, spec: DrafterSpec, args: dict) -> Non
 
 # --- export -----------------------------------------------------------------------------------
 
-def export_drafter(folder: str | os.PathLike, spec: DrafterSpec, own) -> Path:
-  """Writes the trained drafter in the drafter file format (spec_jax.drafters.files)."""
-  return _export(folder, spec.kind, spec.model, own)
+def export_drafter(folder: str | os.PathLike, spec: DrafterSpec, own,
+                   dtype: str = "float32") -> Path:
+  """Writes the trained drafter in the drafter file format (spec_jax.drafters.files), its
+  weights stored in `dtype` (float32, float16 or int8)."""
+  return _export(folder, spec.kind, spec.model, own, dtype=dtype)
