@@ -11,7 +11,7 @@ below. Nothing else in the library or the scripts names it.
 # the families, in the order the command lines list them (one line each)
 from spec_jax.drafters import prompt_lookup, draft_model, layer_skip, quantized, combined  # noqa: F401,E501
 from spec_jax.drafters import medusa, eagle, mtp  # noqa: F401
-from spec_jax.drafters import dflash  # noqa: F401
+from spec_jax.drafters import dflash, dspark  # noqa: F401
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.drafters.combined import FallbackDrafter, ResyncDraftModelDrafter
