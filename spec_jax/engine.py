@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 
+from spec_jax import adaptive
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters import registry
 from spec_jax.drafters.factory import make_drafter
@@ -28,17 +29,29 @@ from spec_jax.verify import verify
 
 
 def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
-                    gamma: int | None = None, max_new_tokens: int,
+                    gamma: int | str | None = None, max_new_tokens: int,
                     sampling: SamplingConfig = SamplingConfig(), eos_id=None, key=None,
                     budgets_B=None, pad_id: int = 0, cache_len: int | None = None,
                     verifier=None) -> tuple[SpeculativeProgram, tuple]:
   """Validates everything on the host -> (program, its array arguments after the params).
 
   Chains draft `gamma` tokens a round; a tree drafter's depth sets its draft length (gamma
-  must be None). `verifier` defaults to verify (chains) or verify_tree (trees).
+  must be None). gamma="auto" (or a spec_jax.adaptive.AdaptiveConfig) adapts the draft length
+  per row and the verification width per round (spec_jax.adaptive); without a cost table
+  this uses default costs (`speculate` measures them). `verifier` defaults to verify
+  (chains) or verify_tree (trees).
   """
   common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, key=key,
                 budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len)
+  adaptive_config = adaptive.as_config(gamma)
+  if adaptive_config is not None:  # gamma="auto": per-row lengths, per-round widths
+    if drafter.is_tree:
+      raise ValueError("gamma='auto' adapts chain drafters; a tree drafter's node budget does "
+                       "not adapt yet: pass gamma=None")
+    config = adaptive_config.resolved()
+    program, args = prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B,
+                            gamma=config.gamma_max, verifier=verifier or verify, **common)
+    return adaptive.configure(program, config), args
   if drafter.is_tree:
     if gamma is not None:
       raise ValueError(f"a tree drafter's depth ({drafter.max_depth}) sets the draft length: "
@@ -53,7 +66,7 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
 
 
 def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B, *,
-              gamma: int | None = None, max_new_tokens: int,
+              gamma: int | str | None = None, max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), eos_id=None, key=None,
               budgets_B=None, pad_id: int = 0, cache_len: int | None = None,
               return_state: bool = False, verifier=None):
@@ -62,12 +75,15 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
   Arguments and output as `spec_jax.generate.generate` (padded prompts [B, P], per-row
   lengths, budgets, EOS, sampling, key -> GenerationOutput with SpecMetrics), plus the
   drafter and its params. With `return_state=True` also the final target cache and drafter
-  state.
+  state. gamma="auto": adaptive speculation (spec_jax.adaptive), its cost table measured
+  on the first call for this target, drafter and batch shape.
   """
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
                                   eos_id=eos_id, key=key, budgets_B=budgets_B, pad_id=pad_id,
                                   cache_len=cache_len, verifier=verifier)
+  # gamma="auto" without a cost table: measured once per target, drafter and batch shape
+  program = adaptive.with_measured_costs(program, params, draft_params, args)
   out, cache, draft_state = speculative_jit(program, params, draft_params, *args)
   return (out, cache, draft_state) if return_state else out
 

@@ -9,6 +9,58 @@ from flax import struct
 
 
 @struct.dataclass
+class AdaptiveStats:
+  """Adaptive speculation's per-row state and counters (spec_jax.adaptive), carried in the
+  metrics: the rounds read the estimates and schedule, the summary reports them."""
+  widths: tuple = struct.field(pytree_node=False)  # the compiled verification widths
+  gamma_B: jax.Array  # [B] int32 the schedule's draft length (HF: +2 full block, -1 otherwise)
+  estimate_BG: jax.Array  # [B, G] float32 P(draft i accepted | reached and verified), online
+  idle_rounds: jax.Array  # [] rounds since the last drafted round
+  probe_interval: jax.Array  # [] idle rounds before a probe drafts anyway
+  width_rounds_W: jax.Array  # [W] rounds verified at each width (plain steps at width 1)
+  undrafted_rounds: jax.Array  # [] rounds that did not draft at all
+  admitted_hist_G1: jax.Array  # [G + 1] row-rounds per admitted length
+  admitted_B: jax.Array  # [B] drafts verified, summed over the row's rounds
+
+  @classmethod
+  def zeros(cls, batch_size: int, gamma: int, widths, initial_gamma: int, prior: float,
+            probe_every: int) -> "AdaptiveStats":
+    return cls(tuple(widths), jnp.full((batch_size,), min(initial_gamma, gamma), jnp.int32),
+               jnp.full((batch_size, gamma), prior, jnp.float32), jnp.int32(0),
+               jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
+               jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32))
+
+  def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
+             learning_rate: float, schedule: bool, probe_every: int) -> "AdaptiveStats":
+    gamma = self.estimate_BG.shape[1]
+    j_G = jnp.arange(gamma)[None, :]
+    seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (
+        j_G <= num_accepted_B[:, None])
+    hit_BG = (j_G < num_accepted_B[:, None]).astype(jnp.float32)
+    estimate_BG = jnp.where(seen_BG, self.estimate_BG + learning_rate * (hit_BG - self.estimate_BG),
+                            self.estimate_BG)
+    gamma_B = self.gamma_B
+    if schedule:
+      verified_B = drafted & active_B & (admitted_B > 0)
+      step_B = jnp.where(num_accepted_B >= admitted_B, 2, -1)
+      gamma_B = jnp.where(verified_B, jnp.clip(gamma_B + step_B, 1, gamma), gamma_B)
+    # a probe that accepted nothing doubles the wait before the next one (up to 64x)
+    accepted_any = jnp.any(active_B & (num_accepted_B > 0))
+    interval = jnp.where(probe, jnp.where(accepted_any, probe_every,
+                                          jnp.minimum(2 * self.probe_interval, 64 * probe_every)),
+                         self.probe_interval)
+    active_i = active_B.astype(jnp.int32)
+    return self.replace(
+        gamma_B=gamma_B, estimate_BG=estimate_BG,
+        idle_rounds=jnp.where(drafted, 0, self.idle_rounds + 1), probe_interval=interval,
+        width_rounds_W=self.width_rounds_W.at[width_idx].add(1),
+        undrafted_rounds=self.undrafted_rounds + (~drafted).astype(jnp.int32),
+        admitted_hist_G1=self.admitted_hist_G1 + jnp.sum(
+            jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None], axis=0),
+        admitted_B=self.admitted_B + admitted_B * active_i)
+
+
+@struct.dataclass
 class SpecMetrics:
   rounds: jax.Array  # [] loop iterations (draft + verify rounds)
   target_calls: jax.Array  # [] target forward passes, prefill included
@@ -18,6 +70,7 @@ class SpecMetrics:
   accept_hist_G1: jax.Array  # [gamma+1] count of row-rounds that accepted k drafts
   position_accepted_G: jax.Array  # [gamma] row-rounds whose draft i was accepted
   position_reached_G: jax.Array  # [gamma] row-rounds whose drafts before i were all accepted
+  adaptive: AdaptiveStats | None = None  # gamma="auto" only (spec_jax.adaptive)
 
   @classmethod
   def zeros(cls, batch_size: int, gamma: int) -> "SpecMetrics":
@@ -37,7 +90,7 @@ class SpecMetrics:
         rounds_B=self.rounds_B + active_i, accepted_B=self.accepted_B + num_accepted_B * active_i,
         tokens_B=self.tokens_B + emitted_B, accept_hist_G1=self.accept_hist_G1 + hist_BG1.sum(0),
         position_accepted_G=self.position_accepted_G + accepted_BG.sum(0),
-        position_reached_G=self.position_reached_G + reached_BG.sum(0))
+        position_reached_G=self.position_reached_G + reached_BG.sum(0), adaptive=self.adaptive)
 
 
 def summarize(m: SpecMetrics) -> dict:
@@ -48,8 +101,8 @@ def summarize(m: SpecMetrics) -> dict:
   accepted = int(m.accepted_B.sum())
   gamma = m.position_reached_G.shape[0]
   mean_accepted = accepted / row_rounds if row_rounds else 0.0
-  drafted = row_rounds * gamma
-  return {
+  drafted = row_rounds * gamma if m.adaptive is None else int(m.adaptive.admitted_B.sum())
+  out = {
       "rounds": int(m.rounds),
       "target_calls": int(m.target_calls),
       "tokens_per_row": m.tokens_B.tolist(),
@@ -61,3 +114,15 @@ def summarize(m: SpecMetrics) -> dict:
       "position_acceptance": [float(a) / r if r else float("nan")
                               for a, r in zip(m.position_accepted_G, m.position_reached_G)],
   }
+  if m.adaptive is not None:  # acceptance_rate above is then per verified (admitted) draft
+    a = m.adaptive
+    out["adaptive"] = {
+        "width_rounds": dict(zip(a.widths, a.width_rounds_W.tolist())),
+        "undrafted_rounds": int(a.undrafted_rounds),
+        "admitted_hist": a.admitted_hist_G1.tolist(),
+        "mean_admitted": int(a.admitted_B.sum()) / row_rounds if row_rounds else 0.0,
+        "acceptance_estimate": np.round(a.estimate_BG.mean(0), 3).tolist(),
+        "acceptance_estimate_per_row": np.round(a.estimate_BG, 3).tolist(),
+        "gamma_per_row": a.gamma_B.tolist(),
+    }
+  return out

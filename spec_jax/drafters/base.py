@@ -115,6 +115,15 @@ class Drafter:
     drop the drafts; a drafter with a cheaper way to keep its state right overrides this."""
     return self.propose(params, state, ctx, gamma, sampling, key)[2]
 
+  def acceptance_estimates(self, state) -> jax.Array | None:
+    """[B, gamma] float in [0, 1], from the state `propose` returned: the drafter's estimate
+    that draft i is accepted once drafts before it were (e.g. DSpark's confidence head); the
+    adaptive rounds (gamma="auto", spec_jax.adaptive) truncate blocks with it. Entry i may
+    depend only on what exists before draft i is drawn (context, earlier drafts, draft i's
+    distribution), never on draft i itself or later drafts. None: no such head (the rounds
+    then use the top draft probability and the acceptance history)."""
+    return None
+
   def empty_rows(self, state) -> jax.Array | None:
     """[B] bool, from the state `propose` returned: rows whose drafts are placeholders (the
     drafter found nothing to propose). None: every row always drafts.

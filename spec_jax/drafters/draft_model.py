@@ -67,6 +67,16 @@ class DraftModelDrafter(Drafter):
                                                         sampling, key, ctx.history)
     return tokens_BG, probs_BGV, DraftModelState(cache)
 
+  def catch_up(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array) -> DraftModelState:
+    # a round without drafts: feeding [prev, pending] (propose's first pass) is all the
+    # cache needs; commit then keeps slots up to L
+    pos_B = ctx.position_B
+    prev_B = jnp.take_along_axis(ctx.seq_BS, (pos_B - 1)[:, None], axis=1)[:, 0]
+    _, _, cache = self.model.apply(params, jnp.stack([prev_B, ctx.pending_B], axis=1),
+                                   jnp.stack([pos_B - 1, pos_B], axis=1), state.cache)
+    return DraftModelState(cache)
+
   def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:
     # Slots L-1 .. L+gamma-1 were written with [prev, pending, d_1..d_{gamma-1}]; those up to
     # the last accepted draft are valid, and never more than the target keeps.

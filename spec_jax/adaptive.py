@@ -1,0 +1,423 @@
+"""Adaptive speculation: per-row draft lengths and a per-round verification width.
+
+`gamma="auto"` (or an `AdaptiveConfig`) in speculate / prepare_program / speculative_generate
+runs this round instead of the fixed-gamma one. The drafter proposes up to gamma_max tokens
+per row; stopping rules truncate each row's block to its *admitted* length; a scheduler
+picks, per round, one of a few compiled verification widths (`lax.switch`; a width of 1 is
+the plain one-token step); before drafting, a round whose drafts would not pay under the
+acceptance estimates skips drafting and runs one plain step. One jit, fixed shapes, no host
+round trips: every decision is data.
+
+THE LOSSLESS CONDITION. Verifying only an admitted prefix of length m (accept at most m,
+then draw the correction from the residual at the first rejection, or the bonus from the
+target at position m) is exact when, for every position i, whether i is verified depends
+only on what exists before draft x_i is drawn: the context, the earlier drafts x_<i, the
+draft's distribution at i, and past rounds (m is a stopping time of the draft sequence).
+It must never depend on x_i itself (e.g. its own draft probability q_i(x_i)), on later
+drafts or confidences (they are computed from x_i), or on the target's verdict. So:
+  - the confidence stop ends the block *after* a token with q_i(x_i) < threshold (that
+    token is still verified), or *before* a position whose top probability max q_i is below
+    it;
+  - the survival S_i = a_1 * ... * a_i uses per-position acceptance estimates a_j known
+    before x_j is drawn (the drafter's `acceptance_estimates`, else max q_j, capped by the
+    row's online estimate from past rounds);
+  - the per-row gamma schedule reads past rounds only (HF: +2 after a fully accepted block,
+    -1 otherwise);
+  - the width scheduler scans positions in order and stops at the first one that does not
+    raise the expected tokens per second (DSpark's early break): a later position's value
+    (which depends on x_i) never decides whether x_i is verified.
+tests/test_adaptive.py checks this with the distribution test, and keeps two leaky rules
+(one peeks at the verdict, one drops drafts whose own probability is low) that fail it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from spec_jax.core.sampling import SamplingConfig, process_logits, sample
+from spec_jax.drafters.base import DraftContext, Drafter
+from spec_jax.generate import token_history
+from spec_jax.metrics import AdaptiveStats
+
+DEFAULT_GAMMA_MAX = 8
+
+
+def default_widths(gamma_max: int) -> tuple[int, ...]:
+  """1, 2, 3, 5, 9, ... tokens per target pass (the pending token + drafts), capped by
+  gamma_max + 1, which is always included."""
+  widths, w = [1, 2, 3], 5
+  while w < gamma_max + 1:
+    widths.append(w)
+    w = 2 * w - 1
+  return tuple(sorted({x for x in widths if x <= gamma_max} | {gamma_max + 1}))
+
+
+def default_costs(widths) -> tuple[float, ...]:
+  """A guess when nothing was measured: a pass costs 1 + 0.1 per extra token."""
+  return tuple(1.0 + 0.1 * (w - 1) for w in widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRules:
+  """Stopping rules and scheduler settings (hashable: part of the compiled program).
+
+  confidence: stop after a draft whose own probability is below it, or before a position
+    whose top draft probability is below it (0 disables).
+  survival: admit position i while the running product of acceptance estimates is >= it.
+  schedule: HF's per-row gamma (+2 after a fully accepted block, -1 otherwise), starting at
+    initial_gamma.
+  prior / learning_rate: the online per-row, per-position acceptance estimates (an
+    exponential moving average of "accepted, given reached and verified").
+  probe_every: after this many rounds without drafting, draft anyway to refresh the
+    estimates (the interval doubles after each probe that accepts nothing, up to 64x).
+  admit: research hook replacing the row rules: admit(AdmitInputs) -> [B] admitted lengths.
+    It must obey the lossless condition (tests use it for a deliberately leaky rule).
+  """
+  confidence: float = 0.05
+  survival: float = 0.1
+  schedule: bool = True
+  initial_gamma: int = 4
+  prior: float = 0.7
+  learning_rate: float = 0.3
+  probe_every: int = 8
+  admit: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveConfig:
+  """gamma="auto" with its settings. target_costs: seconds of one target pass at each width
+  (same order as widths); draft_cost: seconds of one `propose` of gamma_max drafts. None:
+  `speculate` measures them once (measure_costs), prepare_program uses default_costs."""
+  gamma_max: int = DEFAULT_GAMMA_MAX
+  widths: tuple[int, ...] | None = None
+  target_costs: tuple[float, ...] | None = None
+  draft_cost: float | None = None
+  rules: AdaptiveRules = AdaptiveRules()
+
+  def resolved(self) -> "AdaptiveConfig":
+    """Validated, with defaults filled in (raises ValueError with the reason)."""
+    g = self.gamma_max
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
+      raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
+    widths = default_widths(int(g)) if self.widths is None else tuple(int(w) for w in self.widths)
+    if list(widths) != sorted(set(widths)) or widths[0] != 1 or widths[-1] != g + 1:
+      raise ValueError(f"widths must be increasing, start at 1 and end at gamma_max + 1 = "
+                       f"{g + 1}, got {widths}")
+    if self.target_costs is not None:
+      check_costs(widths, self.target_costs, 0.0 if self.draft_cost is None else self.draft_cost)
+    elif self.draft_cost is not None:
+      check_costs(widths, default_costs(widths), self.draft_cost)
+    r = self.rules
+    if not 1 <= r.initial_gamma or r.probe_every < 1 or not 0 < r.learning_rate <= 1:
+      raise ValueError(f"bad adaptive rules: {r}")
+    costs = None if self.target_costs is None else tuple(float(c) for c in self.target_costs)
+    return dataclasses.replace(self, gamma_max=int(g), widths=widths, target_costs=costs)
+
+  def cost_table(self) -> tuple[tuple[float, ...], float]:
+    """(target costs per width, draft cost): the supplied or measured ones, else defaults."""
+    costs = default_costs(self.widths) if self.target_costs is None else self.target_costs
+    return costs, float(self.draft_cost or 0.0)
+
+
+def check_costs(widths, target_costs, draft_cost) -> None:
+  """The cost table: one positive, finite time per width, and a finite draft cost >= 0."""
+  if target_costs is None or len(target_costs) != len(widths):
+    raise ValueError(f"the cost table needs one target time per width {tuple(widths)}, got "
+                     f"{target_costs}")
+  for w, c in zip(widths, target_costs):
+    if not isinstance(c, (int, float, np.floating)) or not math.isfinite(c) or c <= 0:
+      raise ValueError(f"the cost of width {w} must be a positive finite time, got {c!r}")
+  if not math.isfinite(draft_cost) or draft_cost < 0:
+    raise ValueError(f"the draft cost must be a finite time >= 0, got {draft_cost!r}")
+
+
+def as_config(gamma) -> AdaptiveConfig | None:
+  """gamma="auto" -> the default config; an AdaptiveConfig -> itself; an int -> None."""
+  if isinstance(gamma, AdaptiveConfig):
+    return gamma
+  if isinstance(gamma, str):
+    if gamma != "auto":
+      raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+    return AdaptiveConfig()
+  return None
+
+
+@struct.dataclass
+class AdmitInputs:
+  """What a row rule may read (all known before each position's draft is drawn, except
+  draft_prob_BG[:, i], the token's own probability, which only positions > i may use)."""
+  draft_prob_BG: jax.Array  # q_i(x_i); 1 for deterministic drafters
+  top_prob_BG: jax.Array  # max q_i; 1 for deterministic drafters
+  survival_BG: jax.Array  # running product of acceptance estimates
+  gamma_B: jax.Array  # the schedule's length
+
+
+def _leading(ok_BG):
+  return jnp.sum(jnp.cumprod(ok_BG.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def row_rule(rules: AdaptiveRules, x: AdmitInputs) -> jax.Array:
+  """[B] admitted lengths: the longest prefix that every rule admits (a stopping time)."""
+  gamma = x.draft_prob_BG.shape[1]
+  ok_BG = x.survival_BG >= rules.survival
+  ok_BG &= x.top_prob_BG >= rules.confidence
+  # position i follows drafts 1..i-1: stop after a token whose own probability is low
+  low_BG = x.draft_prob_BG < rules.confidence
+  ok_BG &= jnp.concatenate([jnp.ones_like(low_BG[:, :1]), ~low_BG[:, :-1]], axis=1)
+  if rules.schedule:
+    ok_BG &= jnp.arange(gamma)[None, :] < x.gamma_B[:, None]
+  return _leading(ok_BG)
+
+
+def cost_of_lengths(widths, costs) -> np.ndarray:
+  """[G + 1]: the cost of verifying k drafts, k = 0..G (the smallest width >= k + 1)."""
+  return np.array([costs[next(j for j, w in enumerate(widths) if w >= k + 1)]
+                   for k in range(widths[-1])], np.float32)
+
+
+def width_index(widths, k_B):
+  """Index of the smallest width holding k drafts."""
+  return jnp.searchsorted(jnp.asarray(widths, jnp.int32), k_B + 1, side="left").astype(jnp.int32)
+
+
+def schedule_length(survival_BG, admitted_B, active_B, cost_G1) -> jax.Array:
+  """[] drafts to verify this round: DSpark's scan with its early break.
+
+  Expected tokens with k drafts: one per active row plus the survival of every admitted
+  position <= k. Position k is taken while tokens per second do not fall; the first that
+  lowers them stops the scan, so whether position i is verified never reads a later one.
+  """
+  gamma = survival_BG.shape[1]
+  live_BG = (jnp.arange(gamma)[None, :] < admitted_B[:, None]) & active_B[:, None]
+  gain_G = jnp.sum(jnp.where(live_BG, survival_BG, 0.0), axis=0)
+  tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
+      [jnp.zeros(1), jnp.cumsum(gain_G)])
+  keep_G = tokens_G1[1:] * cost_G1[:-1] >= tokens_G1[:-1] * cost_G1[1:]
+  return jnp.minimum(_leading(keep_G[None])[0], jnp.max(jnp.where(active_B, admitted_B, 0)))
+
+
+def worth_drafting(prior_BG, gamma_B, active_B, cost_G1, draft_cost, rules) -> jax.Array:
+  """[] bool, from past rounds only: would the best length pay for drafting under the
+  current estimates (survival = product of the rows' estimates, within their schedule)?"""
+  gamma = prior_BG.shape[1]
+  survival_BG = jnp.cumprod(prior_BG, axis=1)
+  ok_BG = survival_BG >= rules.survival
+  if rules.schedule:
+    ok_BG &= jnp.arange(gamma)[None, :] < gamma_B[:, None]
+  ok_BG = jnp.cumprod(ok_BG.astype(jnp.int32), axis=1).astype(bool) & active_B[:, None]
+  tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
+      [jnp.zeros(1), jnp.cumsum(jnp.sum(jnp.where(ok_BG, survival_BG, 0.0), axis=0))])
+  rate_G = tokens_G1[1:] / (cost_G1[1:] + draft_cost)
+  return jnp.max(rate_G) > tokens_G1[0] / cost_G1[0]
+
+
+def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key,
+                    admitted_B):
+  """Verifies each row as if its block held only its first admitted_B drafts.
+
+  Any chain verifier: below the admitted length its result is the truncated block's (the
+  first rejection and its residual depend only on earlier positions). A row that accepted
+  all its admitted drafts takes the bonus from the target at position admitted_B, drawn
+  with fresh randomness, exactly as if the block had ended there.
+  """
+  verify_key, bonus_key = jax.random.split(key)
+  num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
+                                    verify_key)
+  at_end_BV = jnp.take_along_axis(logits_BG1V, admitted_B[:, None, None], axis=1)[:, 0]
+  full_B = num_accepted_B >= admitted_B
+  next_B = jnp.where(full_B, sample(bonus_key, at_end_BV, sampling), next_B)
+  return jnp.minimum(num_accepted_B, admitted_B), next_B
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRound:
+  """A round_fn (speculative_round's signature) with adaptive lengths and widths."""
+  config: AdaptiveConfig
+
+  def __call__(self, target, drafter: Drafter, gamma: int, sampling: SamplingConfig, verifier,
+               params, draft_params, lengths_B, budget_B, eos_id, s):
+    from spec_jax.speculative import commit_round  # speculative.py imports this module lazily
+    cfg, rules = self.config, self.config.rules
+    stats: AdaptiveStats = s.metrics.adaptive
+    costs, draft_cost = cfg.cost_table()
+    cost_G1 = jnp.asarray(cost_of_lengths(cfg.widths, costs))
+    active_B = ~s.done_B
+    key, draft_key, verify_key = jax.random.split(s.key, 3)
+    length_B = s.cache.length_B
+    history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
+    ctx = DraftContext(s.seq_BS, length_B, s.pending_B, history)
+    pending_B1 = s.pending_B[:, None]
+    probe = stats.idle_rounds >= stats.probe_interval
+    commit = functools.partial(commit_round, drafter=drafter, draft_params=draft_params,
+                               lengths_B=lengths_B, budget_B=budget_B, eos_id=eos_id, state=s,
+                               key=key, ctx=ctx)
+
+    def run_width(w, block_BG1, draft_tokens_BG, draft_probs_BGV, admitted_B, cache):
+      positions_BW = length_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+      logits_BWV, hidden_BWD, cache = target.apply(params, block_BG1[:, :w], positions_BW, cache)
+      if w == 1:  # the plain step: no drafts, nothing to reject
+        logits_BV = process_logits(logits_BWV[:, 0], sampling, history)
+        num_accepted_B, next_B = jnp.zeros_like(s.pending_B), sample(verify_key, logits_BV,
+                                                                      sampling)
+      else:
+        logits_BWV = process_logits(logits_BWV, sampling, None if history is None
+                                    else history.along_chain(block_BG1[:, :w]))
+        probs = None if draft_probs_BGV is None else draft_probs_BGV[:, :w - 1]
+        num_accepted_B, next_B = verify_admitted(
+            verifier, draft_tokens_BG[:, :w - 1], probs, logits_BWV, sampling, verify_key,
+            jnp.minimum(admitted_B, w - 1))
+      hidden_BG1D = jnp.pad(hidden_BWD, ((0, 0), (0, gamma + 1 - w), (0, 0)))  # never read
+      return num_accepted_B, next_B, hidden_BG1D, cache
+
+    def plain_round(s):  # nobody's draft pays: one target step, the drafter only catches up
+      draft_state = drafter.catch_up(draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
+      drafts_BG = jnp.zeros((s.pending_B.shape[0], gamma), jnp.int32)
+      num_accepted_B, next_B, hidden_BG1D, cache = run_width(
+          1, pending_B1, drafts_BG, None, jnp.zeros_like(s.pending_B), s.cache)
+      new = commit(cache=cache, draft_state=draft_state, draft_tokens_BG=drafts_BG,
+                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D)
+      return new, jnp.zeros_like(s.pending_B), num_accepted_B, jnp.int32(0)
+
+    def drafted_round(s):
+      drafts_BG, probs_BGV, draft_state = drafter.propose(draft_params, s.draft_state, ctx, gamma,
+                                                          sampling, draft_key)
+      if probs_BGV is None:
+        q_BG = top_BG = jnp.ones(drafts_BG.shape, jnp.float32)
+      else:
+        q_BG = jnp.take_along_axis(probs_BGV, drafts_BG[..., None], axis=-1)[..., 0]
+        top_BG = jnp.max(probs_BGV, axis=-1)
+      conf_BG = drafter.acceptance_estimates(draft_state)
+      conf_BG = top_BG if conf_BG is None else conf_BG.astype(jnp.float32)
+      survival_BG = jnp.cumprod(jnp.minimum(conf_BG, stats.estimate_BG), axis=1)
+      inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B)
+      admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)
+      admitted_B = jnp.where(probe, jnp.maximum(admitted_B, 1), admitted_B)
+      empty_B = drafter.empty_rows(draft_state)
+      if empty_B is not None:
+        admitted_B = jnp.where(empty_B, 0, admitted_B)
+      admitted_B = jnp.where(active_B, admitted_B, 0)
+      k = schedule_length(survival_BG, admitted_B, active_B, cost_G1)
+      k = jnp.where(probe, jnp.max(admitted_B), k)
+      admitted_B = jnp.minimum(admitted_B, k)
+      block_BG1 = jnp.concatenate([pending_B1, drafts_BG], axis=1)
+      branches = [functools.partial(run_width, w, block_BG1, drafts_BG, probs_BGV, admitted_B)
+                  for w in cfg.widths]
+      w_idx = width_index(cfg.widths, jnp.max(admitted_B))
+      num_accepted_B, next_B, hidden_BG1D, cache = jax.lax.switch(w_idx, branches, s.cache)
+      new = commit(cache=cache, draft_state=draft_state, draft_tokens_BG=drafts_BG,
+                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D)
+      return new, admitted_B, num_accepted_B, w_idx
+
+    pass_B = worth_drafting(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, active_B,
+                            cost_G1, draft_cost, rules)
+    draft_now = pass_B | probe
+    new, admitted_B, num_accepted_B, w_idx = jax.lax.cond(draft_now, drafted_round, plain_round, s)
+    stats = stats.update(active_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
+                         learning_rate=rules.learning_rate, schedule=rules.schedule,
+                         probe_every=rules.probe_every)
+    return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+
+def _adaptive_program_class():
+  from spec_jax.speculative import SpeculativeProgram
+
+  @dataclasses.dataclass(frozen=True)
+  class AdaptiveProgram(SpeculativeProgram):
+    """A SpeculativeProgram whose rounds are AdaptiveRound (gamma = config.gamma_max); the
+    loop's carry holds the adaptive state in metrics.adaptive."""
+    adaptive: AdaptiveConfig | None = None
+
+    def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key):
+      state = super().init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
+      r = self.adaptive.rules
+      stats = AdaptiveStats.zeros(tokens_BP.shape[0], self.gamma, self.adaptive.widths,
+                                  r.initial_gamma, r.prior, r.probe_every)
+      return state.replace(metrics=state.metrics.replace(adaptive=stats))
+
+  return AdaptiveProgram
+
+
+@functools.cache
+def adaptive_program_class():
+  return _adaptive_program_class()
+
+
+def configure(program, config: AdaptiveConfig):
+  """A chain program (prepared with gamma = config.gamma_max) running adaptive rounds."""
+  if program.drafter.is_tree:
+    raise ValueError("gamma='auto' is for chain drafters; a tree's node budget does not adapt yet")
+  config = config.resolved()
+  if program.gamma != config.gamma_max:
+    raise ValueError(f"the program drafts {program.gamma}, the config's gamma_max is "
+                     f"{config.gamma_max}")
+  fields = {f.name: getattr(program, f.name) for f in dataclasses.fields(program)
+            if f.name != "adaptive"}
+  fields["round_fn"] = AdaptiveRound(config)
+  return adaptive_program_class()(**fields, adaptive=config)
+
+
+# --- the cost table ---------------------------------------------------------------------------
+
+_MEASURED: dict = {}
+
+
+def _seconds(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def measure_costs(program, params, draft_params, args, repeats: int = 5):
+  """Times one target pass at each width and one propose of gamma_max drafts, at this
+  program's batch size and cache length -> (target_costs, draft_cost), in seconds.
+  Cached per program and batch shape (start-up cost: a few small compiles)."""
+  cfg = program.adaptive.resolved()
+  tokens_BP, lengths_B, budgets_B, eos, _, key = args
+  cache_key = (program.target, program.drafter, program.sampling, program.cache_len,
+               cfg.widths, tokens_BP.shape)
+  if cache_key in _MEASURED:
+    return _MEASURED[cache_key]
+  state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
+  target = program.target
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def target_pass(w, params, cache, length_B):
+    positions_BW = length_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    tokens_BW = jnp.zeros(positions_BW.shape, jnp.int32)
+    return target.apply(params, tokens_BW, positions_BW, cache)[0]
+
+  @jax.jit
+  def draft_pass(draft_params, s, key):
+    ctx = DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, None)
+    return program.drafter.propose(draft_params, s.draft_state, ctx, cfg.gamma_max,
+                                   program.sampling, key)[:2]
+
+  costs = tuple(_seconds(functools.partial(target_pass, w), params, state.cache,
+                         state.cache.length_B, repeats=repeats) for w in cfg.widths)
+  draft = _seconds(draft_pass, draft_params, state, key, repeats=repeats)
+  _MEASURED[cache_key] = costs, draft
+  return costs, draft
+
+
+def with_measured_costs(program, params, draft_params, args):
+  """The program with its cost table measured, unless the config already supplies one."""
+  cfg = getattr(program, "adaptive", None)
+  if cfg is None or cfg.target_costs is not None:
+    return program
+  costs, draft = measure_costs(program, params, draft_params, args)
+  cfg = dataclasses.replace(cfg, target_costs=costs,
+                            draft_cost=draft if cfg.draft_cost is None else cfg.draft_cost)
+  return configure(program, cfg)
