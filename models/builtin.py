@@ -30,7 +30,8 @@ import safetensors.numpy
 
 from spec_jax.models.llama import LlamaConfig, LlamaModel
 from spec_jax.models.params_io import (CheckpointError, check_all_finite, check_layer_count,
-                                      params_from_flat, params_to_flat, read_json, to_layout)
+                                      check_widths, params_from_flat, params_to_flat, read_json,
+                                      to_layout)
 from spec_jax.models.tokenizer import HFTokenizer, TokenizerError, check_vocab_compatible
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -131,6 +132,7 @@ def load_model(folder: str | Path, name: str, *, dtype: str = "float32"
   path = folder / f"{name}.safetensors"
   tensors = _read_tensors(path)
   check_layer_count(cfg.n_layers, tensors, str(path))  # before anything is built per layer
+  check_widths(cfg, tensors, str(path))
   flat = dequantize_tensors(tensors, str(path))
   check_all_finite(flat, str(path))
   model = LlamaModel(cfg)

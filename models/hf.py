@@ -20,8 +20,9 @@ import safetensors.numpy
 
 from spec_jax.core.errors import check_bool, check_int, check_real
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.models.params_io import (CheckpointError, check_finite, check_layer_count, flat_names,
-                                      params_from_flat, params_to_flat, read_json, to_layout)
+from spec_jax.models.params_io import (CheckpointError, check_finite, check_layer_count,
+                                      check_widths, flat_names, params_from_flat,
+                                      params_to_flat, read_json, to_layout)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -91,9 +92,10 @@ def _rope_theta(hf: dict[str, Any], path: str) -> float:
       raise CheckpointError(f"{path}: {name} type {kind!r} is unsupported (only unscaled RoPE)")
     if _real(d, "partial_rotary_factor", path, 1.0) != 1.0:
       raise CheckpointError(f"{path}: partial rotary embeddings are unsupported")
+  legacy = _real(hf, "rope_theta", path, 10000.0)  # checked even where rope_parameters wins
   if params.get("rope_theta") is not None:
     return _real(params, "rope_theta", path, 10000.0)
-  return _real(hf, "rope_theta", path, 10000.0)
+  return legacy
 
 
 def _layer_types(hf: dict[str, Any], n_layers: int, path: str) -> list[str] | None:
@@ -300,6 +302,7 @@ def load_hf(folder: str, *, dtype: str = "float32") -> tuple[LlamaModel, Any]:
   source = files[0] if len(files) == 1 else os.path.join(folder, INDEX_FILE)
   shapes = _tensor_shapes(files)
   check_layer_count(cfg.n_layers, shapes, source, field="num_hidden_layers")
+  check_widths(cfg, shapes, source)
   layout = _hf_layout(cfg)
   expected = flat_names(LlamaModel(cfg))
   optional = {n for n in shapes if n.endswith(_IGNORED_SUFFIXES) or n == "lm_head.weight"

@@ -31,8 +31,8 @@ import orbax.checkpoint as ocp
 from spec_jax.core.errors import BadArgument
 from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_names, path_to_name
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.models.params_io import (CheckpointError, check_finite, check_layer_count, flat_names,
-                                      is_quantized, read_json)
+from spec_jax.models.params_io import (CheckpointError, check_finite, check_layer_count,
+                                      check_widths, flat_names, is_quantized, read_json)
 
 FORMAT = "spec_jax-native"
 VERSION = 1
@@ -222,6 +222,7 @@ def load_native(folder: str, *, dtype: str | None = None,
   saved = _saved_shapes(params_dir)
   # the layer count against the saved names first: 10**7 layers fail here, cheaply
   check_layer_count(cfg.n_layers, saved, os.path.join(folder, CONFIG_FILE))
+  check_widths(cfg, saved, os.path.join(folder, CONFIG_FILE))
   model = LlamaModel(cfg)
   _check_shapes(model, saved, folder)
   checksums = _read_checksums(folder, saved)

@@ -83,6 +83,22 @@ def is_quantized(flat: dict) -> bool:
   return any(name.endswith((".values_IO", ".scale_O", ".values_OI")) for name in flat)
 
 
+def check_widths(cfg, shapes: dict, source: str) -> None:
+  """Every width the config implies must fit the file's largest tensor dimension: checked on
+  shapes alone, before any (abstract) array of the config's sizes is built (a vocab_size of
+  2**70 would otherwise overflow deep inside jax)."""
+  largest = max((max(s) for s in (tuple(getattr(v, "shape", v)) for v in shapes.values()) if s),
+                default=0)
+  head_dim = cfg.resolved_head_dim
+  for field, value in (("vocab_size", cfg.vocab_size), ("dim", cfg.dim),
+                       ("hidden_dim", cfg.hidden_dim),
+                       ("n_heads * head_dim", cfg.n_heads * head_dim),
+                       ("n_kv_heads * head_dim", cfg.n_kv_heads * head_dim)):
+    if value > largest:
+      raise CheckpointError(f"{source}: the config's {field}={value} exceeds every tensor "
+                            f"dimension in the file (the largest is {largest})")
+
+
 def params_from_flat(model: LlamaModel, flat: dict[str, np.ndarray], *, source: str = "checkpoint"):
   """Builds the model's params pytree from `flat`; every name must be present with its shape."""
   check_names_and_shapes(flat_names(model), flat, source=source, error=CheckpointError)

@@ -112,19 +112,26 @@ def export_drafter(folder: str | os.PathLike, kind: str, model, own,
   return folder
 
 
-# config fields that count repeated modules: each holds at least one stored tensor
+# config fields that count repeated modules (each holds at least one stored tensor), and
+# widths (each is some stored tensor's dimension)
 _COUNT_FIELDS = ("n_layers", "num_heads", "num_modules", "num_layers")
+_WIDTH_FIELDS = ("dim", "hidden_dim", "head_dim")
 
 
-def _check_counts(config, num_tensors: int, source: str) -> None:
-  """Cheap bound before any model is built: a config claiming 10**7 heads or layers cannot
-  describe a file of a few tensors (and would take minutes and gigabytes to build)."""
+def _check_counts(config, flat: dict, source: str) -> None:
+  """Cheap bounds before any model is built: a config claiming 10**7 heads or a width of
+  2**40 cannot describe a file of a few small tensors (and would take minutes and gigabytes
+  to build, or overflow inside jax)."""
+  largest = max((max(a.shape) for a in flat.values() if a.ndim), default=0)
   if isinstance(config, dict):
     for key, value in config.items():
-      if key in _COUNT_FIELDS and isinstance(value, int) and value > max(num_tensors, 1):
+      if isinstance(value, int) and key in _COUNT_FIELDS and value > max(len(flat), 1):
         raise CheckpointError(f"{source}: the description says {key}={value}, but the file "
-                              f"holds only {num_tensors} tensors")
-      _check_counts(value, num_tensors, source)
+                              f"holds only {len(flat)} tensors")
+      if isinstance(value, int) and key in _WIDTH_FIELDS and value > largest:
+        raise CheckpointError(f"{source}: the description says {key}={value}, more than any "
+                              f"tensor dimension in the file (the largest is {largest})")
+      _check_counts(value, flat, source)
 
 
 def read_drafter(folder: str | os.PathLike) -> tuple[str, Any, Any]:
@@ -149,12 +156,12 @@ def read_drafter(folder: str | os.PathLike) -> tuple[str, Any, Any]:
     fam = registry.trained_family(kind) if isinstance(kind, str) else None
     if fam is None:
       raise ValueError(f"kind {kind!r} is not a string")
-    _check_counts(config, len(flat), str(path))
+    _check_counts(config, flat, str(path))
     model = fam.trained.model_from_config(config)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_own(model))
   except CheckpointError:
     raise
-  except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+  except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
     raise CheckpointError(f"{folder / DRAFTER_JSON}: malformed drafter description ({e})") from e
   check_names_and_shapes({path_to_name(p): leaf for p, leaf in leaves}, flat, source=str(path),
                          error=CheckpointError, expected_by=f"the {kind} config")

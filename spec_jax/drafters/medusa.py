@@ -126,11 +126,10 @@ def static_choices(tree: TreeOptions) -> tuple[tuple[int, ...], ...]:
   once, by its previous sibling (last rank - 1) or, for rank 0, by its parent, and both
   sort before it; so time O(nodes log nodes) and memory O(nodes) (`--tree 12,10,16` once
   built 10**12 paths before anything was checked)."""
-  for name in ("depth", "top_k", "nodes"):
+  for name, least in (("depth", 1), ("top_k", 1), ("nodes", 2)):
     value = getattr(tree, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "nodes" else 1):
-      raise ValueError(f"tree {name} must be an integer >= {2 if name == 'nodes' else 1}, "
-                       f"got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise ValueError(f"tree {name} must be an integer >= {least}, got {value!r}")
   paths, level = 0, 1  # paths of length <= depth, counted only until the budget is met
   for _ in range(tree.depth):
     level = min(level * tree.top_k, tree.nodes)
