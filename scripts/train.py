@@ -38,6 +38,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from spec_jax import cli  # noqa: E402
+from spec_jax.core.errors import BadArgument  # noqa: E402
 from spec_jax.models import builtin  # noqa: E402
 from spec_jax.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from spec_jax.models.params_io import params_from_flat, params_to_flat, path_to_name  # noqa: E402
@@ -481,16 +483,16 @@ def write_readme(folder: Path, report: dict[str, Any]) -> None:
 # ---- main ---------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default=str(REPO / "models" / "builtin"), help="artefact folder")
   p.add_argument("--work-dir", default=None,
                  help="checkpoints and tokenizer (default: runs/builtin, git-ignored; "
                       "<out>/.work with --quick)")
-  p.add_argument("--steps-target", type=int, default=None)
-  p.add_argument("--steps-draft", type=int, default=None)
+  p.add_argument("--steps-target", type=cli.positive_int, default=None)
+  p.add_argument("--steps-draft", type=cli.positive_int, default=None)
   p.add_argument("--resume", action="store_true", help="continue from the work dir")
   p.add_argument("--quick", action="store_true", help="a tiny, seconds-long version")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=cli.int_range(0, 2 ** 63 - 4), default=0)
   p.add_argument("--no-measure", action="store_true", help="skip acceptance/speed measurement")
   p.add_argument("--eval-only", action="store_true",
                  help="re-measure the pair in --out and rewrite its README.md")
@@ -506,7 +508,7 @@ def main(argv=None) -> dict[str, Any]:
   recipe = dataclasses.replace(recipe, **overrides)
   out = Path(args.out).resolve()
   if args.quick and out == builtin.BUILTIN_DIR:
-    raise SystemExit("--quick would overwrite the shipped pair: pass --out elsewhere")
+    raise BadArgument("--quick would overwrite the shipped pair: pass --out elsewhere")
   work = Path(args.work_dir or (out / ".work" if args.quick else REPO / "runs" / "builtin"))
   progress = not args.no_progress
 
@@ -521,8 +523,8 @@ def main(argv=None) -> dict[str, Any]:
     return report
 
   if not args.resume and any((work / s).exists() for s in ("target", "draft")):
-    raise SystemExit(f"{work} holds checkpoints of an earlier run: pass --resume to continue "
-                     "it, or remove the folder to start over")
+    raise BadArgument(f"{work} holds checkpoints of an earlier run: pass --resume to continue "
+                      "it, or remove the folder to start over")
   work.mkdir(parents=True, exist_ok=True)
   stages: dict[str, float] = {}
 
@@ -579,4 +581,4 @@ def main(argv=None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli.run(main))

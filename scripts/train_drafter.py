@@ -34,46 +34,49 @@ from spec_jax.training.distill import (Trainer, export_drafter, generated_corpus
                               make_spec, mean_accepted, text_corpus, write_description)
 from spec_jax.drafters.registry import trained_kinds  # noqa: E402
 from spec_jax.training import restore_best  # noqa: E402
+from spec_jax import cli  # noqa: E402
+from spec_jax.core.errors import BadArgument  # noqa: E402
 
 
 # --- command line -----------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+  count, count0, weight = cli.positive_int, cli.non_negative_int, cli.real_range(0.0)
   p.add_argument("--kind", required=True, choices=trained_kinds())
   p.add_argument("--model", required=True,
                  help="target checkpoint (llama2.c .bin, HF or native folder)")
   p.add_argument("--tokenizer", default=None, help="for --corpus FILE (default: beside the model)")
   p.add_argument("--corpus", default="self",
                  help="a text file, or 'self' for the target's own sampled generations")
-  p.add_argument("--num-sequences", type=int, default=1024, help="generated training sequences")
-  p.add_argument("--heldout", type=int, default=32, help="generated held-out sequences")
-  p.add_argument("--gen-temperature", type=float, default=1.0)
-  p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--num-heads", type=int, default=4, help="Medusa heads / MTP modules")
-  p.add_argument("--draft-dim", type=int, default=None, help="draft_model width")
-  p.add_argument("--draft-layers", type=int, default=1, help="draft_model layers")
-  p.add_argument("--draft-hidden", type=int, default=None, help="MLP width of the drafter's block")
+  p.add_argument("--num-sequences", type=count, default=1024, help="generated training sequences")
+  p.add_argument("--heldout", type=count, default=32, help="generated held-out sequences")
+  p.add_argument("--gen-temperature", type=weight, default=1.0)
+  p.add_argument("--seq-len", type=cli.int_range(2), default=64)
+  p.add_argument("--num-heads", type=count, default=4, help="Medusa heads / MTP modules")
+  p.add_argument("--draft-dim", type=count, default=None, help="draft_model width")
+  p.add_argument("--draft-layers", type=count, default=1, help="draft_model layers")
+  p.add_argument("--draft-hidden", type=count, default=None, help="MLP width of the drafter's block")
   p.add_argument("--loss", default="kl", choices=("kl", "ce"), help="token loss")
-  p.add_argument("--feature-weight", type=float, default=1.0, help="feature regression weight (EAGLE)")
-  p.add_argument("--token-weight", type=float, default=0.1, help="token-loss weight (EAGLE)")
-  p.add_argument("--feature-noise", type=float, default=0.0, help="input feature noise (EAGLE)")
-  p.add_argument("--steps", type=int, default=1000)
-  p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--warmup", type=int, default=50)
-  p.add_argument("--weight-decay", type=float, default=0.0)
-  p.add_argument("--clip", type=float, default=1.0)
+  p.add_argument("--feature-weight", type=weight, default=1.0, help="feature regression weight (EAGLE)")
+  p.add_argument("--token-weight", type=weight, default=0.1, help="token-loss weight (EAGLE)")
+  p.add_argument("--feature-noise", type=weight, default=0.0, help="input feature noise (EAGLE)")
+  p.add_argument("--steps", type=count, default=1000)
+  p.add_argument("--batch-size", type=count, default=16)
+  p.add_argument("--lr", type=cli.real_range(0.0, open_minimum=True), default=3e-3)
+  p.add_argument("--warmup", type=count0, default=50)
+  p.add_argument("--weight-decay", type=weight, default=0.0)
+  p.add_argument("--clip", type=cli.real_range(0.0, open_minimum=True), default=1.0)
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--export-dir", default=None,
                  help="write the trained drafter here (drafter.json + drafter.safetensors)")
-  p.add_argument("--save-every", type=int, default=200)
-  p.add_argument("--eval-every", type=int, default=0)
+  p.add_argument("--save-every", type=count, default=200)
+  p.add_argument("--eval-every", type=count0, default=0)
   p.add_argument("--best-by", default=None, choices=("loss", "acceptance"))
-  p.add_argument("--gamma", type=int, default=4, help="draft length for the acceptance evaluation")
-  p.add_argument("--eval-prompts", type=int, default=16)
-  p.add_argument("--eval-new-tokens", type=int, default=64)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--gamma", type=count, default=4, help="draft length for the acceptance evaluation")
+  p.add_argument("--eval-prompts", type=count, default=16)
+  p.add_argument("--eval-new-tokens", type=count, default=64)
+  p.add_argument("--seed", type=cli.seed_int, default=0)
   p.add_argument("--no-progress", action="store_true")
   return p.parse_args(argv)
 
@@ -85,8 +88,8 @@ def main(argv=None) -> dict:
   spec = make_spec(args.kind, target, num_heads=args.num_heads, draft_dim=args.draft_dim,
                    draft_layers=args.draft_layers, draft_hidden=args.draft_hidden)
   if spec.max_gamma is not None and args.gamma > spec.max_gamma:
-    raise SystemExit(f"--gamma {args.gamma} > {spec.max_gamma} ({args.kind} drafts at most "
-                     "that many per round)")
+    raise BadArgument(f"--gamma {args.gamma} > {spec.max_gamma} ({args.kind} drafts at most "
+                      "that many per round)")
   if args.corpus == "self":
     corpus = generated_corpus(target, target_params, num_sequences=args.num_sequences,
                               seq_len=args.seq_len, heldout=args.heldout, seed=args.seed,
@@ -95,7 +98,7 @@ def main(argv=None) -> dict:
     from spec_jax.models.tokenizer import load_tokenizer
     tok_path = args.tokenizer or find_tokenizer_path(args.model)
     if tok_path is None:
-      raise SystemExit(f"no tokenizer found beside {args.model}; pass --tokenizer")
+      raise BadArgument(f"no tokenizer found beside {args.model}; pass --tokenizer")
     corpus = text_corpus(args.corpus, load_tokenizer(tok_path), seq_len=args.seq_len,
                          max_heldout=max(args.eval_prompts, 8), seed=args.seed)
   # each family's loss takes the options it names (spec_jax.drafters.registry.Trained.loss)
@@ -138,4 +141,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli.run(main))
