@@ -3,6 +3,7 @@ and the shipped built-in pair (spec_jax.models.builtin)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -246,3 +247,59 @@ def test_builtin_storage_quantizes_matrices_per_output_channel(quick_pair, tmp_p
   from spec_jax.models.params_io import params_to_flat
   np.testing.assert_array_equal(np.asarray(params_to_flat(params)["embed"]),
                                 raw["embed"].astype(np.float32) * raw["embed" + SCALE_SUFFIX])
+
+
+# ---- crash safety -------------------------------------------------------------------------------
+
+def test_half_written_and_damaged_checkpoints_are_skipped_on_resume(tmp_path):
+  state, step = fresh_state()
+  uninterrupted, _ = train_loop(state, batch_fn, step, num_steps=12, progress=False)
+  ckpt = tmp_path / "ckpt"
+  state, step = fresh_state()
+  train_loop(state, batch_fn, step, num_steps=6, checkpoint_dir=str(ckpt), save_every=1,
+             progress=False)
+  latest = ckpt / "latest"
+  assert sorted(p.name for p in latest.iterdir() if p.name.isdigit()) == ["5", "6"]
+  # what a kill can leave: a step never recorded as complete, orbax's temporary directory, and
+  # (a disk's doing) a recorded step whose data no longer match their checksums
+  shutil.copytree(latest / "6", latest / "7")
+  (latest / "8.orbax-checkpoint-tmp-1234").mkdir()
+  record = json.loads((latest / "complete.json").read_text())
+  record["6"] = {name: "00000000" for name in record["6"]}
+  (latest / "complete.json").write_text(json.dumps(record))
+  state, step = fresh_state(seed=7)
+  with pytest.warns(RuntimeWarning) as caught:
+    resumed, info = train_loop(state, batch_fn, step, num_steps=12, checkpoint_dir=str(ckpt),
+                               save_every=1, progress=False)
+  messages = " ".join(str(w.message) for w in caught)
+  assert "step 7 (never recorded as complete" in messages and "step 6 (its data" in messages
+  assert info["start_step"] == 5
+  for a, b in zip(jax.tree.leaves(uninterrupted), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not (latest / "8.orbax-checkpoint-tmp-1234").exists()
+  assert any(p.name.startswith("incomplete-7-") for p in latest.iterdir())
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path):
+  """A drafter distillation killed (SIGKILL) at a random step, mid-step or mid-save, and
+  resumed in a new process ends with the params of an uninterrupted run, bit for bit."""
+  import random
+  import signal
+  seed = random.randrange(1 << 30)
+  rng = random.Random(seed)
+  kill_at, delay_ms = rng.randrange(1, 7), rng.randrange(0, 25)
+  worker = [sys.executable, str(REPO / "tests" / "train_worker.py"), str(tmp_path / "ckpt")]
+  killed = subprocess.run(worker + [str(tmp_path / "killed.npz"), "--kill-at", str(kill_at),
+                                    "--kill-after-ms", str(delay_ms)],
+                          capture_output=True, text=True, timeout=300)
+  context = f"seed {seed}: kill at step {kill_at} + {delay_ms} ms"
+  assert killed.returncode == -signal.SIGKILL, f"{context}\n{killed.stderr[-3000:]}"
+  resumed = subprocess.run(worker + [str(tmp_path / "resumed.npz"), "--reference",
+                                     str(tmp_path / "reference"), str(tmp_path / "ref.npz")],
+                           capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, f"{context}\n{resumed.stderr[-3000:]}"
+  got, want = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "ref.npz")
+  assert 1 <= int(got["start_step"]) <= kill_at + 1, context
+  assert int(want["start_step"]) == 0 and set(got.files) == set(want.files)
+  for name in set(want.files) - {"start_step"}:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name}; {context}")

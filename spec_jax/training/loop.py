@@ -13,15 +13,21 @@ uninterrupted one and ends with identical params.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import warnings
+import zlib
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import struct
+
+from spec_jax.core.pytree_names import flatten_with_names
 
 Batch = Any
 LossFn = Callable[[Any, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -77,12 +83,26 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation):
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
+#
+# Crash safety. Orbax writes a step into a temporary directory and renames it when done, so a
+# run killed mid-save leaves a `*.orbax-checkpoint-tmp-*` directory (removed on the next
+# start, cleanup_tmp_directories), never a finished-looking step. On top of that, after each
+# save of `latest` the loop records the step with a crc32 of every leaf in
+# `latest/complete.json` (written to a temporary file, then renamed). Resuming takes the
+# newest step that is recorded there, restores, and matches its checksums; any other step
+# (half-written, damaged, or saved but killed before it was recorded) is set aside as
+# `incomplete-<step>-<time>` with a warning, and the next older one is tried. `latest` keeps
+# two steps, so the step before the one being saved survives any kill.
 
-def _manager(directory: str, *, max_to_keep: int, best_metric: str | None = None
+COMPLETE_FILE = "complete.json"
+
+
+def _manager(directory: str, *, max_to_keep: int | None, best_metric: str | None = None
              ) -> ocp.CheckpointManager:
   # Synchronous saves: the next (donating) step may reuse the buffers being written.
   options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True,
+      cleanup_tmp_directories=True,
       best_fn=(lambda m: m[best_metric]) if best_metric else None, best_mode="min",
       keep_checkpoints_without_metrics=best_metric is None)
   return ocp.CheckpointManager(os.path.abspath(directory), options=options)
@@ -92,16 +112,87 @@ def _abstract(tree):
   return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
-def restore_latest(directory: str, like: TrainState) -> TrainState | None:
-  """The newest checkpoint in `directory`/latest shaped like `like`, or None."""
-  path = os.path.join(directory, "latest")
-  if not os.path.isdir(path):
+def _checksums(tree) -> dict[str, str]:
+  """{leaf name: crc32 of its bytes}; leaves no single host holds whole are left out."""
+  out = {}
+  for name, leaf in flatten_with_names(tree).items():
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      continue
+    host = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
+    out[name] = f"{zlib.crc32(host.reshape(-1).view(np.uint8)):08x}"
+  return out
+
+
+def _read_complete(directory: str) -> dict[str, dict[str, str]] | None:
+  """{step: checksums} of the finished saves, or None (a directory from before the record)."""
+  path = os.path.join(directory, COMPLETE_FILE)
+  if not os.path.isfile(path):
     return None
-  with _manager(path, max_to_keep=1) as mgr:
-    step = mgr.latest_step()
-    if step is None:
-      return None
-    return mgr.restore(step, args=ocp.args.StandardRestore(_abstract(like)))
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return {}  # a damaged record vouches for nothing
+  return record if isinstance(record, dict) else {}
+
+
+def _write_complete(directory: str, record: dict[str, dict[str, str]]) -> None:
+  path = os.path.join(directory, COMPLETE_FILE)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(record, f, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _record_save(mgr: ocp.CheckpointManager, directory: str, step: int, state) -> None:
+  """Marks `step` as completely saved (after mgr.save returned), forgetting deleted steps."""
+  record = _read_complete(directory) or {}
+  kept = {str(s) for s in mgr.all_steps()}
+  record = {k: v for k, v in record.items() if k in kept}
+  record[str(step)] = _checksums(state)
+  _write_complete(directory, record)
+
+
+def _set_aside(directory: str, step: int, why: str) -> None:
+  warnings.warn(f"{directory}: skipping checkpoint step {step} ({why}); resuming from an "
+                "older one", RuntimeWarning, stacklevel=3)
+  src = os.path.join(directory, str(step))
+  if os.path.isdir(src):
+    os.replace(src, os.path.join(directory, f"incomplete-{step}-{int(time.time())}"))
+
+
+def _restore_checked(directory: str, like) -> tuple[Any, int] | None:
+  """(state, step) of the newest complete, undamaged checkpoint in `directory`, or None."""
+  directory = os.path.abspath(directory)
+  if not os.path.isdir(directory):
+    return None
+  record = _read_complete(directory)
+  with _manager(directory, max_to_keep=None) as mgr:
+    steps = sorted(mgr.all_steps(), reverse=True)
+  for step in steps:
+    if record is not None and str(step) not in record:
+      _set_aside(directory, step, "never recorded as complete: written by a killed run?")
+      continue
+    try:
+      with _manager(directory, max_to_keep=None) as mgr:
+        restored = mgr.restore(step, args=ocp.args.StandardRestore(_abstract(like)))
+    except Exception as e:  # orbax raises assorted types for damaged checkpoints
+      _set_aside(directory, step, f"unreadable: {type(e).__name__}: {str(e)[:200]}")
+      continue
+    if record is not None and _checksums(restored) != record[str(step)]:
+      _set_aside(directory, step, "its data do not match the checksums recorded when saved")
+      continue
+    return restored, step
+  return None
+
+
+def restore_latest(directory: str, like: TrainState) -> TrainState | None:
+  """The newest complete checkpoint in `directory`/latest shaped like `like`, or None.
+  Half-written or damaged steps are set aside (see the comment above)."""
+  found = _restore_checked(os.path.join(directory, "latest"), like)
+  return None if found is None else found[0]
 
 
 def restore_best(directory: str, like_params) -> tuple[Any, int] | None:
@@ -144,7 +235,10 @@ def train_loop(state: TrainState, batch_fn: Callable[[int], Batch], train_step, 
     restored = restore_latest(checkpoint_dir, state)
     if restored is not None:
       state = restored
-    latest = _manager(os.path.join(checkpoint_dir, "latest"), max_to_keep=max_to_keep)
+    latest_dir = os.path.abspath(os.path.join(checkpoint_dir, "latest"))
+    latest = _manager(latest_dir, max_to_keep=max(max_to_keep, 2))  # one survives any kill
+    if not latest.all_steps() and _read_complete(latest_dir) is None:
+      _write_complete(latest_dir, {})  # from now on, only recorded steps count
     if best_metric is not None:
       best = _manager(os.path.join(checkpoint_dir, "best"), max_to_keep=1,
                       best_metric=best_metric)
@@ -184,6 +278,7 @@ def train_loop(state: TrainState, batch_fn: Callable[[int], Batch], train_step, 
             f"{k}={v:.4f}" for k, v in result.items() if k != "step"))
     if latest is not None and (done % save_every == 0 or done == num_steps):
       latest.save(done, args=ocp.args.StandardSave(state), force=True)
+      _record_save(latest, latest_dir, done, state)
   if eval_fn is not None and (not info["evals"] or info["evals"][-1]["step"] != num_steps):
     evaluate(num_steps)
   if bar is not None:
