@@ -159,6 +159,8 @@ class AdmitInputs:
   top_prob_BG: jax.Array  # max q_i; 1 for deterministic drafters
   survival_BG: jax.Array  # running product of acceptance estimates
   gamma_B: jax.Array  # the schedule's length
+  # the drafts themselves: a rule must not let position i depend on tokens_BG[:, i:]
+  tokens_BG: jax.Array | None = None
 
 
 def _leading(ok_BG):
@@ -298,7 +300,7 @@ class AdaptiveRound:
       conf_BG = drafter.acceptance_estimates(draft_state)
       conf_BG = top_BG if conf_BG is None else conf_BG.astype(jnp.float32)
       survival_BG = jnp.cumprod(jnp.minimum(conf_BG, stats.estimate_BG), axis=1)
-      inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B)
+      inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)
       admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)
       admitted_B = jnp.where(probe, jnp.maximum(admitted_B, 1), admitted_B)
       empty_B = drafter.empty_rows(draft_state)

@@ -1,0 +1,197 @@
+"""Adaptive speculation (gamma="auto"): lossless with per-row lengths and per-round widths,
+leaky rules caught, one compile with every width reachable, the cost table validated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import perturbed
+from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules, check_costs
+from spec_jax.core.sampling import SamplingConfig
+from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.drafters.factory import make_drafter
+from spec_jax.engine import prepare_program, speculate
+from spec_jax.generate import generate, pad_prompts
+from spec_jax.metrics import summarize
+from spec_jax.speculative import SpeculativeProgram, speculative_jit, speculative_round
+from spec_jax.verify import verify
+from test_speculative import (DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, exact_joint,  # noqa: F401
+                              pvalue_vs_exact, small_pair)
+
+NEW = 32
+# flat costs and free drafting: the scheduler verifies whatever the rules admit
+FLAT = dict(target_costs=(1.0, 1.0, 1.0, 1.0, 1.0), draft_cost=0.0)
+
+
+def config(gamma_max=8, **rules):
+  widths = (1, 2, 3, 5, 9) if gamma_max == 8 else None
+  costs = dict(FLAT) if gamma_max == 8 else {}
+  return AdaptiveConfig(gamma_max, widths=widths, rules=AdaptiveRules(**rules), **costs)
+
+
+@pytest.fixture(scope="module")
+def ragged(stories, story_prompts):
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  budgets = [NEW, 9, NEW, 21, NEW]
+  ref = generate(model, params, *prompts, max_new_tokens=NEW, budgets_B=budgets, eos_id=1)
+  return prompts, budgets, ref
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "prompt_lookup", "lookup+draft_model", "layer_skip"])
+def test_greedy_identity_with_adaptive_lengths(stories, ragged, kind):
+  model, params = stories
+  prompts, budgets, ref = ragged
+  drafter, draft_params = make_drafter(kind, model, params, draft_model=model,
+                                       draft_params=perturbed(params, 0.15, seed=1),
+                                       num_layers=3, max_ngram=2)
+  out = speculate(model, params, drafter, draft_params, *prompts, gamma=config(),
+                  max_new_tokens=NEW, budgets_B=budgets, eos_id=1)
+  assert np.array_equal(out.tokens, ref.tokens)
+  assert np.array_equal(out.num_tokens, ref.num_tokens)
+  m = summarize(out.metrics)
+  assert sum(m["adaptive"]["width_rounds"].values()) == m["rounds"]
+  assert sum(m["adaptive"]["admitted_hist"]) == m["row_rounds"]
+
+
+def test_auto_measures_costs_and_stays_greedy_identical(stories, ragged):
+  model, params = stories
+  prompts, budgets, ref = ragged
+  out = speculate(model, params, DraftModelDrafter(model), perturbed(params, 0.15, seed=1),
+                  *prompts, gamma="auto", max_new_tokens=NEW, budgets_B=budgets, eos_id=1)
+  assert np.array_equal(out.tokens, ref.tokens)
+  assert np.array_equal(out.num_tokens, ref.num_tokens)
+  # the target as its own draft never pays on a CPU: most rounds do not draft at all
+  assert summarize(out.metrics)["adaptive"]["undrafted_rounds"] > 0
+
+
+def test_fixed_gamma_is_the_same_program(stories):
+  model, params = stories
+  program, _ = prepare_program(model, DraftModelDrafter(model), *pad_prompts([[1, 2]]), gamma=4,
+                               max_new_tokens=5)
+  assert type(program) is SpeculativeProgram and program.round_fn is speculative_round
+  with pytest.raises(ValueError, match="'auto'"):
+    prepare_program(model, DraftModelDrafter(model), *pad_prompts([[1, 2]]), gamma="fast",
+                    max_new_tokens=5)
+
+
+# --- distribution identity, and two leaky rules that must fail it ---------------------------------
+
+def _sample(small_pair, gamma, verifier=None, seed=0, sampling=SamplingConfig(1.0)):
+  target, tp, draft_model, dp = small_pair
+  draft_model, dp = target, perturbed(tp, 0.7, seed=3)
+  out = speculate(target, tp, DraftModelDrafter(draft_model), dp,
+                  *pad_prompts([PROMPT] * SAMPLES), gamma=gamma, max_new_tokens=DEPTH,
+                  sampling=sampling, key=jax.random.key(seed), verifier=verifier)
+  assert (np.asarray(out.num_tokens) == DEPTH).all()
+  return out
+
+
+ADAPTIVE_SMALL = AdaptiveConfig(3, widths=(1, 2, 3, 4), target_costs=(1.0, 1.0, 1.0, 1.0),
+                                draft_cost=0.0,
+                                rules=AdaptiveRules(confidence=0.2, survival=0.05, initial_gamma=3))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=5)])
+def test_sampled_distribution_with_adaptive_lengths(small_pair, sampling):
+  target, tp = small_pair[:2]
+  joint = exact_joint(target, tp, PROMPT, DEPTH, sampling)
+  out = _sample(small_pair, ADAPTIVE_SMALL, seed=1, sampling=sampling)
+  a = summarize(out.metrics)["adaptive"]
+  assert len([n for n in a["admitted_hist"] if n]) >= 3  # lengths really vary
+  assert pvalue_vs_exact(out.tokens, joint) > SIGNIFICANCE
+
+
+def peeking_verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key):
+  """LEAKY: reads the verdict, and where the first draft was rejected, pretends the row
+  admitted nothing (the next token then comes from p, not from the residual)."""
+  num_accepted_B, next_B = verify(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key)
+  from spec_jax.core.sampling import sample
+  fresh_B = sample(jax.random.fold_in(key, 1), logits_BG1V[:, 0], sampling)
+  return num_accepted_B, jnp.where(num_accepted_B == 0, fresh_B, next_B)
+
+
+def drop_unlikely(x):
+  """LEAKY: stops before a draft whose own probability q_i(x_i) is low (reads x_i)."""
+  return jnp.sum(jnp.cumprod((x.draft_prob_BG >= 0.3).astype(jnp.int32), axis=1), axis=1)
+
+
+@pytest.mark.parametrize("leak", ["peek_at_verdict", "drop_own_low_probability"])
+def test_leaky_rules_fail_the_distribution_test(small_pair, leak):
+  sampling = SamplingConfig(1.0)
+  target, tp = small_pair[:2]
+  joint = exact_joint(target, tp, PROMPT, DEPTH, sampling)
+  if leak == "peek_at_verdict":
+    out = _sample(small_pair, ADAPTIVE_SMALL, verifier=peeking_verifier, seed=1)
+  else:
+    cfg = dataclasses.replace(ADAPTIVE_SMALL, rules=AdaptiveRules(admit=drop_unlikely))
+    out = _sample(small_pair, cfg, seed=1)
+  assert pvalue_vs_exact(out.tokens, joint) < SIGNIFICANCE
+
+
+# --- compiles, widths, costs ------------------------------------------------------------------------
+
+def by_first_draft(x):
+  """Admits (first draft mod 9): lengths 0..8 all occur, so every width is used. (It reads
+  x_1: fine for greedy identity and compile counts, not a lossless sampling rule.)"""
+  return x.tokens_BG[:, 0] % 9
+
+
+def test_one_compile_every_width_reached(stories, story_prompts):
+  model, params = stories
+  random_draft = perturbed(params, 3.0, seed=7)  # its drafts vary from round to round
+  drafter = DraftModelDrafter(model)
+  cfg = config(admit=by_first_draft)
+  hist = np.zeros(5, int)
+  for prompt in story_prompts[:3]:
+    prompts = pad_prompts([prompt], width=12)
+    ref = generate(model, params, *prompts, max_new_tokens=NEW)
+    out = speculate(model, params, drafter, random_draft, *prompts, gamma=cfg,
+                    max_new_tokens=NEW)
+    assert np.array_equal(out.tokens, ref.tokens)
+    hist += np.array(list(summarize(out.metrics)["adaptive"]["width_rounds"].values()))
+  compiled = speculative_jit._cache_size()
+  speculate(model, params, drafter, random_draft, *pad_prompts([[1, 300, 301]], width=12),
+            gamma=cfg, max_new_tokens=NEW, eos_id=2)
+  assert speculative_jit._cache_size() == compiled
+  assert (hist > 0).all(), hist
+
+
+def test_undrafted_rounds_when_drafting_never_pays(stories, story_prompts):
+  model, params = stories
+  prompts = pad_prompts(story_prompts[:2], width=12)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  cfg = dataclasses.replace(config(), draft_cost=100.0)  # drafting costs 100 target passes
+  out = speculate(model, params, DraftModelDrafter(model), params, *prompts, gamma=cfg,
+                  max_new_tokens=NEW)
+  assert np.array_equal(out.tokens, ref.tokens)
+  a = summarize(out.metrics)["adaptive"]
+  assert a["undrafted_rounds"] > 0.7 * summarize(out.metrics)["rounds"]  # probes only
+
+
+@pytest.mark.parametrize("costs,draft,match", [
+    ((1.0, 1.0, 1.0, 1.0), 0.0, "one target time per width"),
+    ((1.0, 1.0, -1.0, 1.0, 1.0), 0.0, "width 3 must be a positive finite"),
+    ((1.0, float("nan"), 1.0, 1.0, 1.0), 0.0, "width 2 must be a positive finite"),
+    ((1.0, 1.0, 1.0, 1.0, float("inf")), 0.0, "width 9 must be a positive finite"),
+    ((1.0, 1.0, 1.0, 1.0, 1.0), float("nan"), "draft cost"),
+])
+def test_cost_table_is_validated(stories, costs, draft, match):
+  with pytest.raises(ValueError, match=match):
+    check_costs((1, 2, 3, 5, 9), costs, draft)
+  model, params = stories
+  with pytest.raises(ValueError, match=match):
+    speculate(model, params, DraftModelDrafter(model), params, *pad_prompts([[1, 2]]),
+              gamma=AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=costs,
+                                   draft_cost=draft), max_new_tokens=4)
+
+
+def test_bad_widths_are_refused():
+  for widths in [(2, 3, 9), (1, 3, 2, 9), (1, 2, 5)]:
+    with pytest.raises(ValueError, match="widths"):
+      AdaptiveConfig(8, widths=widths).resolved()
