@@ -29,8 +29,8 @@ import safetensors
 import safetensors.numpy
 
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.models.params_io import (CheckpointError, check_all_finite, check_layer_count,
-                                      check_widths, params_from_flat, params_to_flat, read_json,
+from spec_jax.models.params_io import (CheckpointError, check_all_finite, check_dtype,
+                                      check_layer_count, check_widths, params_from_flat, params_to_flat, read_json,
                                       to_layout)
 from spec_jax.models.tokenizer import HFTokenizer, TokenizerError, check_vocab_compatible
 
@@ -125,6 +125,7 @@ def load_model(folder: str | Path, name: str, *, dtype: str = "float32"
                ) -> tuple[LlamaModel, Any]:
   """Reads `name.json` + `name.safetensors` from `folder` -> (LlamaModel, params in dtype)."""
   folder = Path(folder)
+  dtype = check_dtype(dtype, "load_model: dtype")  # an argument, not the file's fault
   missing = [f for f in (f"{name}.json", f"{name}.safetensors") if not (folder / f).is_file()]
   if missing:
     raise CheckpointError(f"{folder}: missing {', '.join(missing)}; {REBUILD_HINT}")

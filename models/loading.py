@@ -12,11 +12,9 @@ import glob
 import os
 from typing import Any
 
-import jax.numpy as jnp
-
 from spec_jax.core.errors import BadArgument, CheckpointNotFound
 from spec_jax.models.llama import LlamaModel
-from spec_jax.models.params_io import CheckpointError, read_json
+from spec_jax.models.params_io import CheckpointError, check_dtype, read_json
 
 
 def _describe(folder: str, limit: int = 12) -> str:
@@ -33,13 +31,7 @@ def load_model(path: str, *, dtype: str | None = "float32") -> tuple[LlamaModel,
     raise BadArgument(f"load_model: path must be a str or os.PathLike, got {type(path).__name__}")
   path = os.fspath(path)
   if dtype is not None:
-    try:
-      floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-    except TypeError:
-      floating = False
-    if not floating:
-      raise BadArgument(f"load_model: dtype must be a floating dtype (float32, bfloat16, ...), "
-                        f"got {dtype!r}")
+    dtype = check_dtype(dtype, "load_model: dtype")
   if not os.path.exists(path):
     raise CheckpointNotFound(f"no checkpoint at {path}")
   if os.path.isfile(path):

@@ -15,9 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spec_jax.core.errors import CheckpointError  # noqa: F401  (re-exported: its old home)
+from spec_jax.core.errors import BadArgument, CheckpointError  # noqa: F401  (CheckpointError's old home)
 from spec_jax.core.pytree_names import check_names_and_shapes, flatten_with_names, path_to_name
 from spec_jax.models.llama import LAYOUTS, LlamaModel
+
+
+def check_dtype(dtype, name: str = "dtype") -> str:
+  """A floating dtype's name (float32, bfloat16, ...), or BadArgument naming `name`."""
+  try:
+    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating or isinstance(dtype, bool):
+    raise BadArgument(f"{name} must be a floating dtype (float32, bfloat16, ...), got {dtype!r}")
+  return str(jnp.dtype(dtype))
 
 
 def read_json(path, error=None):

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from spec_jax.core.errors import TokenizerError
+from spec_jax.core.errors import TokenizerError, check_int
 
 
 def check_text(text: str, source: str) -> None:
@@ -139,8 +139,8 @@ class Llama2cTokenizer:
         raise TokenizerError(f"{source}: token {_BYTE_OFFSET + b} is "
                              f"{pieces[_BYTE_OFFSET + b]!r}, expected <0x{b:02X}>: byte-fallback "
                              "tokens must occupy ids 3..258")
-    if not 0 <= eos_id < len(pieces):
-      raise TokenizerError(f"{source}: eos_id={eos_id} is outside the vocabulary")
+    check_int(eos_id, f"{source}: eos_id", minimum=0, maximum=len(pieces) - 1,
+              error=TokenizerError)
     self._pieces = tuple(bytes(p) for p in pieces)
     self._scores = tuple(float(s) for s in scores)
     self.max_token_length = max_token_length or max(len(p) for p in self._pieces)
@@ -164,6 +164,8 @@ class Llama2cTokenizer:
     """Reads and strictly validates a `tok*.bin`; the vocab size is the record count
     unless `vocab_size` is given, in which case the file must hold exactly that many."""
     path = str(path)
+    if vocab_size is not None:
+      check_int(vocab_size, f"{path}: vocab_size", minimum=_N_RESERVED, error=TokenizerError)
     try:
       data = Path(path).read_bytes()
     except OSError as e:
@@ -370,9 +372,9 @@ class HFTokenizer:
     # Added tokens may leave holes in the id range; max id + 1 bounds the embedding needed.
     self._vocab_size = max(vocab.values()) + 1
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
-      if value is not None and not 0 <= value < self._vocab_size:
-        raise TokenizerError(f"{source}: {name}={value} is outside the vocabulary "
-                             f"[0, {self._vocab_size})")
+      if value is not None:  # an int inside the vocabulary: not 2.0, True or 10**12
+        check_int(value, f"{source}: {name}", minimum=0, maximum=self._vocab_size - 1,
+                  error=TokenizerError)
     self._bos_id, self._eos_id, self._pad_id = bos_id, eos_id, pad_id
 
   @classmethod
