@@ -6,6 +6,8 @@
                         measured speed-up next to the one predicted from measured step costs
   versus_hf             against HF transformers (PyTorch, CPU): plain, assistant, prompt lookup
   step_roofline         streaming the target's weights once vs one autoregressive step
+  real_model            SmolLM2-135M-Instruct (zoo GGUF): chat prompts, every drafter at its best
+                        gamma, HF transformers on the same file (spec_jax.bench.real_model)
 
 Each is a function (plan, ctx) -> result (see spec_jax.bench.runner); `Plan` holds the sizes.
 """
@@ -32,6 +34,7 @@ from spec_jax.bench.roofline import (matmul_chain_loop, matmul_count_sweep, matv
 from spec_jax.bench.rows import finish_rows, same_tokens
 from spec_jax.bench.runner import skipped
 from spec_jax.bench.timing import interleaved_medians, log, timed
+from spec_jax.bench.real_model import real_model  # noqa: F401  (scenario 6)
 
 STORY_TEXTS = [
     "Once upon a time", "One day, a little girl named Lily", "Tom and his dog",
@@ -73,6 +76,14 @@ class Plan:
   s4_new: int = 128
   prompt_width: int = 16
   layout: str = "fused"  # spec_jax.models.llama.LAYOUTS: how our models' params are laid out
+  # the real model (spec_jax.bench.real_model): prompts, new tokens, batches, drafter kinds
+  # (None: all), HF rows (plain, prompt lookup, early exit: the first rm_hf of them)
+  rm_prompts: int = 12
+  rm_new: int = 32
+  rm_batches: tuple[int, ...] = (1, 8)
+  rm_drafters: tuple[str, ...] | None = None
+  rm_batched_drafters: tuple[str, ...] | None = ("prompt_lookup", "eagle")  # at batch > 1
+  rm_hf: int = 3
 
 
 QUICK = Plan(
@@ -82,7 +93,8 @@ QUICK = Plan(
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
     s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4, sweep_bytes=2 << 20,
     sweep_counts=(1, 4),
-    s4_models=("stories260K-shaped",), s4_gamma=3, s4_new=16)
+    s4_models=("stories260K-shaped",), s4_gamma=3, s4_new=16,
+    rm_prompts=1, rm_new=4, rm_batches=(1,), rm_drafters=("prompt_lookup",), rm_hf=1)
 
 # --target-size presets for scenarios 3 and 5 (a few billion parameters is for accelerators)
 TARGET_SIZES = {
