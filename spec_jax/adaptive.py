@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax.core.sampling import SamplingConfig, process_logits, sample
+from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits, sample
 from spec_jax.drafters.base import DraftContext, Drafter
-from spec_jax.generate import token_history
+from spec_jax.generate import finite_prefix, token_history
 from spec_jax.metrics import AdaptiveStats
 
 DEFAULT_GAMMA_MAX = 8
@@ -278,15 +278,17 @@ class AdaptiveRound:
             verifier, draft_tokens_BG[:, :w - 1], probs, logits_BWV, sampling, verify_key,
             jnp.minimum(admitted_B, w - 1))
       hidden_BG1D = jnp.pad(hidden_BWD, ((0, 0), (0, gamma + 1 - w), (0, 0)))  # never read
-      return num_accepted_B, next_B, hidden_BG1D, cache
+      # rows whose logits were not finite stop there, failed (see commit_round)
+      return num_accepted_B, next_B, hidden_BG1D, cache, finite_prefix(nonfinite_rows(logits_BWV))
 
     def plain_round(s):  # nobody's draft pays: one target step, the drafter only catches up
       draft_state = drafter.catch_up(draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
       drafts_BG = jnp.zeros((s.pending_B.shape[0], gamma), jnp.int32)
-      num_accepted_B, next_B, hidden_BG1D, cache = run_width(
+      num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = run_width(
           1, pending_B1, drafts_BG, None, jnp.zeros_like(s.pending_B), s.cache)
       new = commit(cache=cache, draft_state=draft_state, draft_tokens_BG=drafts_BG,
-                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D)
+                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
+                   num_finite_B=num_finite_B)
       return new, jnp.zeros_like(s.pending_B), num_accepted_B, jnp.int32(0)
 
     def drafted_round(s):
@@ -314,9 +316,11 @@ class AdaptiveRound:
       branches = [functools.partial(run_width, w, block_BG1, drafts_BG, probs_BGV, admitted_B)
                   for w in cfg.widths]
       w_idx = width_index(cfg.widths, jnp.max(admitted_B))
-      num_accepted_B, next_B, hidden_BG1D, cache = jax.lax.switch(w_idx, branches, s.cache)
+      num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = jax.lax.switch(
+          w_idx, branches, s.cache)
       new = commit(cache=cache, draft_state=draft_state, draft_tokens_BG=drafts_BG,
-                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D)
+                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
+                   num_finite_B=num_finite_B)
       return new, admitted_B, num_accepted_B, w_idx
 
     pass_B = worth_drafting(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, active_B,

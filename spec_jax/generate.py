@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from spec_jax.core.errors import BadArgument, check_int, is_int
 from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import KVCache
-from spec_jax.core.sampling import (SamplingConfig, TokenCounts, TokenHistory, process_logits,
-                                    sample)
+from spec_jax.core.sampling import (SamplingConfig, TokenCounts, TokenHistory, nonfinite_rows,
+                                    process_logits, sample)
 
 NO_EOS = -1  # an EOS id that matches no token
 
@@ -37,6 +38,22 @@ class GenerationOutput:
   num_tokens: jax.Array  # [B] how many of `tokens` each row generated
   metrics: Any = None  # speculative metrics (see spec_jax.metrics); None for autoregressive
   sequences: jax.Array | None = None  # [B, S] prompt + generated, for inspection
+  # [B] bool: the row stopped early because the target's logits it was to sample from were
+  # not finite (NaN or +inf: broken weights or activations); `tokens` holds what it generated
+  # before that step. Never silently a token 0. See failure_message.
+  failed: jax.Array | None = None
+
+
+def failure_message(out: GenerationOutput) -> str | None:
+  """One line naming the rows that failed and why, or None when none did (reads to host)."""
+  if out.failed is None:
+    return None
+  rows = np.flatnonzero(np.asarray(out.failed)).tolist()
+  if not rows:
+    return None
+  return (f"generation failed in row{'s' if len(rows) > 1 else ''} "
+          f"{', '.join(map(str, rows))}: the model's logits were not finite (NaN or inf); "
+          "check the weights")
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0,
@@ -47,14 +64,17 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0,
   prompts of different lengths.
   """
   if not prompts:
-    raise ValueError("no prompts given")
+    raise BadArgument("no prompts given")
   lengths = np.array([len(p) for p in prompts], np.int32)
   width = int(lengths.max()) if width is None else width
   if lengths.max() > width:
-    raise ValueError(f"a prompt has {lengths.max()} tokens, more than the padded width {width}")
+    raise BadArgument(f"a prompt has {lengths.max()} tokens, more than the padded width {width}")
   tokens = np.full((len(prompts), width), pad_id, np.int32)
   for row, prompt in enumerate(prompts):
-    tokens[row, :len(prompt)] = prompt
+    ids = np.asarray(prompt)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):  # 4.5 would be truncated
+      raise BadArgument(f"prompt {row} must be token ids (integers), got {ids.dtype}")
+    tokens[row, :len(prompt)] = ids
   return tokens, lengths
 
 
@@ -69,30 +89,39 @@ def check_generation_args(model: CausalLM, prompt_tokens_BP, prompt_lengths_B, *
   tokens = np.asarray(prompt_tokens_BP)
   lengths = np.asarray(prompt_lengths_B)
   if tokens.ndim != 2:
-    raise ValueError(f"prompt tokens must be [batch, width], got shape {tokens.shape}")
-  if not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"prompt tokens must be integers, got {tokens.dtype}")
+    raise BadArgument(f"prompt tokens must be [batch, width], got shape {tokens.shape}")
+  if not np.issubdtype(tokens.dtype, np.integer):  # bools and floats are not token ids
+    raise BadArgument(f"prompt tokens must be integers, got {tokens.dtype}")
   if lengths.shape != (tokens.shape[0],):
-    raise ValueError(f"prompt lengths must have shape ({tokens.shape[0]},), got {lengths.shape}")
+    raise BadArgument(f"prompt lengths must have shape ({tokens.shape[0]},), got {lengths.shape}")
+  if not np.issubdtype(lengths.dtype, np.integer):  # a length of 4.5 would drop a token
+    raise BadArgument(f"prompt lengths must be integers, got {lengths.dtype}: "
+                      f"{lengths.tolist()}")
   if (lengths < 1).any() or (lengths > tokens.shape[1]).any():
-    raise ValueError(f"prompt lengths must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
+    raise BadArgument(f"prompt lengths must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
   valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
   bad = valid & ((tokens < 0) | (tokens >= model.vocab_size))
   if bad.any():
     row, col = map(int, np.argwhere(bad)[0])
-    raise ValueError(f"prompt token id {int(tokens[row, col])} (row {row}, position {col}) is "
-                     f"outside the model's vocabulary [0, {model.vocab_size})")
-  if int(max_new_tokens) < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    raise BadArgument(f"prompt token id {int(tokens[row, col])} (row {row}, position {col}) "
+                      f"is outside the model's vocabulary [0, {model.vocab_size})")
+  if not is_int(max_new_tokens):  # 4.0 too: a float would be truncated silently
+    raise BadArgument(f"max_new_tokens must be an integer, got {max_new_tokens!r} "
+                      f"({type(max_new_tokens).__name__})")
+  if max_new_tokens < 1:
+    raise BadArgument(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  max_new_tokens = int(max_new_tokens)
+  if cache_len is not None:
+    cache_len = check_int(cache_len, "cache_len", minimum=1)
   needed = tokens.shape[1] + int(max_new_tokens) + int(extra_slots)
   if cache_len is None:
     cache_len = needed
   if needed > cache_len:
-    raise ValueError(f"the cache of {cache_len} slots is too small: prompts of width "
+    raise BadArgument(f"the cache of {cache_len} slots is too small: prompts of width "
                      f"{tokens.shape[1]} + {max_new_tokens} new tokens + {extra_slots} draft "
                      f"slots need {needed}")
   if cache_len > model.max_seq_len:
-    raise ValueError(f"prompt width {tokens.shape[1]} + {max_new_tokens} new tokens"
+    raise BadArgument(f"prompt width {tokens.shape[1]} + {max_new_tokens} new tokens"
                      f"{f' + {extra_slots} draft slots' if extra_slots else ''} = {needed} "
                      f"positions is longer than the model's context of {model.max_seq_len}")
   return tokens.astype(np.int32), lengths.astype(np.int32), int(cache_len)
@@ -102,11 +131,12 @@ def budgets_array(max_new_tokens: int, budgets_B, batch_size: int) -> np.ndarray
   """Per-row token budgets (default: all rows max_new_tokens), each in [1, max_new_tokens]."""
   if budgets_B is None:
     return np.full((batch_size,), max_new_tokens, np.int32)
-  budgets = np.asarray(budgets_B, np.int32)
-  if budgets.shape != (batch_size,) or (budgets < 1).any() or (budgets > max_new_tokens).any():
-    raise ValueError(f"per-row budgets must be [{batch_size}] ints in [1, {max_new_tokens}], "
-                     f"got {budgets_B}")
-  return budgets
+  budgets = np.asarray(budgets_B)
+  if budgets.shape != (batch_size,) or not np.issubdtype(budgets.dtype, np.integer) or \
+      (budgets < 1).any() or (budgets > max_new_tokens).any():  # no floats: never truncated
+    raise BadArgument(f"budgets_B (per-row budgets) must be [{batch_size}] integers in "
+                      f"[1, {max_new_tokens}], got {budgets_B!r}")
+  return budgets.astype(np.int32)
 
 
 def eos_array(eos_id: EosIds, vocab_size: int | None = None) -> np.ndarray:
@@ -120,14 +150,19 @@ def eos_array(eos_id: EosIds, vocab_size: int | None = None) -> np.ndarray:
   ids = list(np.asarray(eos_id).reshape(-1)) if isinstance(eos_id, np.ndarray) else (
       [eos_id] if isinstance(eos_id, numbers.Number) else list(eos_id))
   if not ids:
-    raise ValueError("eos_id is an empty sequence; pass None for no EOS")
+    raise BadArgument("eos_id is an empty sequence; pass None for no EOS")
+  top = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
   for i in ids:
-    if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
-      raise ValueError(f"EOS ids must be integers, got {eos_id!r}")
-    if i < 0 or (vocab_size is not None and i >= vocab_size):
-      raise ValueError(f"EOS id {int(i)} is outside the model's vocabulary "
-                       f"[0, {vocab_size if vocab_size is not None else '...'})")
+    if not is_int(i):
+      raise BadArgument(f"eos_id must be an integer or a sequence of integers, got {eos_id!r}")
+    if i < 0 or i >= top:
+      raise BadArgument(f"eos_id {int(i)} is outside the model's vocabulary [0, {top})")
   return np.array([int(i) for i in ids], np.int32)
+
+
+def pad_id_value(pad_id, vocab_size: int) -> int:
+  """The id written after each row's tokens: an integer inside the vocabulary."""
+  return check_int(pad_id, "pad_id", minimum=0, maximum=vocab_size - 1)
 
 
 def key_and_eos(sampling: SamplingConfig, key, eos_id: EosIds,
@@ -135,7 +170,7 @@ def key_and_eos(sampling: SamplingConfig, key, eos_id: EosIds,
   """The PRNG key (required when sampling; greedy needs none) and the EOS ids (eos_array)."""
   if key is None:
     if not sampling.is_greedy:
-      raise ValueError("sampling with temperature > 0 needs a PRNG key")
+      raise BadArgument("sampling with temperature > 0 needs a PRNG key")
     key = jax.random.key(0)
   return key, eos_array(eos_id, vocab_size)
 
@@ -185,21 +220,30 @@ def tokens_to_emit(new_BT, num_new_B, num_generated_B, budget_B, done_B, eos_E):
   return count_B, now_done_B
 
 
+def finite_prefix(bad_BT) -> jax.Array:
+  """[B] int32: the index of each row's first True (non-finite logits: nonfinite_rows), T when
+  none. A row keeps only tokens chosen from finite logits and stops at the first others."""
+  return jnp.where(bad_BT.any(axis=1), jnp.argmax(bad_BT, axis=1),
+                   bad_BT.shape[1]).astype(jnp.int32)
+
+
 def first_token(key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_E, sampling,
                 counts: TokenCounts | None = None):
   """Samples the first generated token after prefill and writes it into the buffer.
 
-  -> (pending, seq, num_generated, done, counts with the token added).
+  -> (pending, seq, num_generated, done, counts with the token added, failed [B]: the
+  logits were not finite, so the row emitted nothing and is done).
   """
   zeros_B = jnp.zeros_like(lengths_B)
   last_logits_BV = process_logits(last_logits_BV, sampling,
                                   token_history(sampling, zeros_B, eos_E, counts))
   pending_B = sample(key, last_logits_BV, sampling)
+  failed_B = nonfinite_rows(last_logits_BV)  # such a row emits nothing and stops
   count_B, done_B = tokens_to_emit(pending_B[:, None], jnp.ones_like(lengths_B), zeros_B, budget_B,
-                                   jnp.zeros_like(lengths_B, bool), eos_E)
+                                   failed_B, eos_E)
   seq_BS = write_tokens(seq_BS, lengths_B, pending_B[:, None], count_B)
   counts = None if counts is None else counts.add(pending_B[:, None], count_B)
-  return pending_B, seq_BS, count_B, done_B, counts
+  return pending_B, seq_BS, count_B, done_B, counts, failed_B
 
 
 def gather_generated(seq_BS, lengths_B, num_generated_B, max_new_tokens: int, pad_id):
@@ -224,6 +268,7 @@ class _ARState:
   cache: KVCache
   key: jax.Array
   step: jax.Array
+  failed_B: jax.Array  # [B] bool: stopped at non-finite logits (GenerationOutput.failed)
   counts: TokenCounts | None = None  # only with penalties (SamplingConfig.has_penalties)
 
 
@@ -234,9 +279,10 @@ def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_E, pad_id, k
   last_logits_BV, _, cache = prefill(model, params, tokens_BP, lengths_B, cache_len)
   key, first_key = jax.random.split(key)
   counts = TokenCounts.of_prompts(tokens_BP, lengths_B, model.vocab_size, sampling)
-  pending_B, seq_BS, num_generated_B, done_B, counts = first_token(
+  pending_B, seq_BS, num_generated_B, done_B, counts, failed_B = first_token(
       first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_E, sampling, counts)
-  state = _ARState(seq_BS, pending_B, num_generated_B, done_B, cache, key, jnp.int32(0), counts)
+  state = _ARState(seq_BS, pending_B, num_generated_B, done_B, cache, key, jnp.int32(0),
+                   failed_B, counts)
 
   def cond(s: _ARState):
     return jnp.any(~s.done_B) & (s.step < max_new_tokens)
@@ -250,18 +296,21 @@ def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_E, pad_id, k
     logits_BV = process_logits(logits_B1V[:, 0], sampling,
                                token_history(sampling, s.num_generated_B, eos_E, s.counts))
     next_B = sample(step_key, logits_BV, sampling)
+    bad_B = ~s.done_B & nonfinite_rows(logits_BV)  # the row stops here, emitting nothing
+    stop_B = s.done_B | bad_B
     count_B, done_B = tokens_to_emit(next_B[:, None], jnp.ones_like(active_B), s.num_generated_B,
-                                     budget_B, s.done_B, eos_E)
+                                     budget_B, stop_B, eos_E)
     seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, next_B[:, None], count_B)
-    pending_B = jnp.where(s.done_B, s.pending_B, next_B)
+    pending_B = jnp.where(stop_B, s.pending_B, next_B)
     counts = None if s.counts is None else s.counts.add(next_B[:, None], count_B)
     return _ARState(seq_BS, pending_B, s.num_generated_B + count_B, done_B, cache, key,
-                    s.step + 1, counts)
+                    s.step + 1, s.failed_B | bad_B, counts)
 
   state = jax.lax.while_loop(cond, body, state)
   tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B, max_new_tokens,
                                pad_id)
-  return GenerationOutput(tokens_BN, state.num_generated_B, None, state.seq_BS), state.cache
+  return GenerationOutput(tokens_BN, state.num_generated_B, None, state.seq_BS,
+                          failed=state.failed_B), state.cache
 
 
 def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max_new_tokens: int,
@@ -278,14 +327,17 @@ def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max
     sampling: temperature / top-k / top-p, penalties, min_new_tokens (see SamplingConfig).
     eos_id: a row stops after generating this token, or any of these tokens (kept in the
       output); None: rows stop only at their budget.
-    key: PRNG key, required when sampling.
-  Returns GenerationOutput (and the final KVCache with `return_cache=True`).
+    key: PRNG key, required when sampling. Each row draws with its own key derived from it
+      (fold_in of the row index), so a row's output does not depend on the other rows.
+  Returns GenerationOutput (and the final KVCache with `return_cache=True`); its `failed`
+  marks rows stopped by non-finite logits (failure_message says which).
   """
   tokens, lengths, cache_len = check_generation_args(
       model, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id, model.vocab_size)
+  pad_id = pad_id_value(pad_id, model.vocab_size)
   out, cache = generate_jit(model, params, tokens, lengths, budgets, jnp.asarray(eos),
                              jnp.int32(pad_id), key, max_new_tokens=int(max_new_tokens),
                              cache_len=cache_len, sampling=sampling)

@@ -25,11 +25,13 @@ from spec_jax.drafters.base import (DraftContext, Drafter, PromptInfo, RoundOutc
 from spec_jax.core.interface import CausalLM
 from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
-                               initial_buffer, key_and_eos, prefill, token_history,
-                               tokens_to_emit, write_tokens)
+                               finite_prefix, initial_buffer, key_and_eos, pad_id_value,
+                               prefill, token_history, tokens_to_emit, write_tokens)
+from spec_jax.core.errors import BadArgument, is_int
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.metrics import SpecMetrics
-from spec_jax.core.sampling import SamplingConfig, TokenCounts, process_logits, sample
+from spec_jax.core.sampling import (SamplingConfig, TokenCounts, nonfinite_rows, process_logits,
+                                    sample)
 from spec_jax.verify import verify
 
 
@@ -54,6 +56,8 @@ class SpecState:
   key: jax.Array
   # acceptance statistics per row and round (see spec_jax.metrics)
   metrics: SpecMetrics
+  # [B] bool: the row stopped at target logits that were not finite (GenerationOutput.failed)
+  failed_B: jax.Array
   # token counts the penalties read (SamplingConfig.has_penalties); None without penalties
   counts: TokenCounts | None = None
 
@@ -87,42 +91,55 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
                                  None if history is None else history.along_chain(block_BG1))
     num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
                                       verify_key)
-    return num_accepted_B, next_B, hidden_BG1D, cache
+    return (num_accepted_B, next_B, hidden_BG1D, cache,
+            finite_prefix(nonfinite_rows(logits_BG1V)))
 
   def one_step(cache):  # nothing drafted anywhere: an autoregressive step, no rejection
     logits_B1V, hidden_B1D, cache = target.apply(params, block_BG1[:, :1],
                                                  positions_BG1[:, :1], cache)
-    next_B = sample(verify_key, process_logits(logits_B1V[:, 0], sampling, history), sampling)
+    logits_BV = process_logits(logits_B1V[:, 0], sampling, history)
+    next_B = sample(verify_key, logits_BV, sampling)
     hidden_BG1D = jnp.pad(hidden_B1D, ((0, 0), (0, gamma), (0, 0)))  # past row 0: never read
-    return jnp.zeros_like(next_B), next_B, hidden_BG1D, cache
+    return (jnp.zeros_like(next_B), next_B, hidden_BG1D, cache,
+            finite_prefix(nonfinite_rows(logits_BV)[:, None]))
 
   empty_B = drafter.empty_rows(draft_state)
   if empty_B is None:
-    num_accepted_B, next_B, hidden_BG1D, cache = verify_drafts(s.cache)
+    num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = verify_drafts(s.cache)
   else:
-    num_accepted_B, next_B, hidden_BG1D, cache = jax.lax.cond(
+    num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = jax.lax.cond(
         jnp.all(empty_B), one_step, verify_drafts, s.cache)
   return commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
                       budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
                       draft_state=draft_state, draft_tokens_BG=draft_tokens_BG,
-                      num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D)
+                      num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
+                      num_finite_B=num_finite_B)
 
 
 def commit_round(*, drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
                  key, ctx: DraftContext, cache: KVCache, draft_state, draft_tokens_BG,
-                 num_accepted_B, next_B, hidden_BG1D, **outcome_fields) -> SpecState:
+                 num_accepted_B, next_B, hidden_BG1D, num_finite_B=None,
+                 **outcome_fields) -> SpecState:
   """Step 4 of a round, shared by chain and tree rounds (which pass their accepted path).
 
   `state` is the state the round started from, `key` the key the next round starts with, `ctx`
   the round's DraftContext, `draft_state` what propose returned; eos_id is the [E] EOS ids.
   `cache` holds [pending, accepted drafts] at slots L..L+num_accepted; draft_tokens_BG are
   the drafts in order (entries past num_accepted are never kept). `outcome_fields` go to
-  RoundOutcome (a tree round's tree_path_BR1).
+  RoundOutcome (a tree round's tree_path_BR1). `num_finite_B` [B] (None: all): how many of
+  the positions along the row's drafts (pending first) have finite target logits.
   """
   length_B = ctx.position_B
   new_BG1 = candidates(draft_tokens_BG, num_accepted_B, next_B)
-  count_B, done_B = tokens_to_emit(new_BG1, num_accepted_B + 1, state.num_generated_B, budget_B,
+  num_new_B, bad_B = num_accepted_B + 1, jnp.zeros_like(state.done_B)
+  if num_finite_B is not None:
+    # candidate k was chosen from position k's logits: a row keeps those chosen from finite
+    # logits, then stops, failed (GenerationOutput.failed), never emitting a NaN's token
+    bad_B = (num_finite_B <= num_accepted_B) & ~state.done_B
+    num_new_B = jnp.minimum(num_new_B, num_finite_B)
+  count_B, done_B = tokens_to_emit(new_BG1, num_new_B, state.num_generated_B, budget_B,
                                    state.done_B, eos_id)
+  done_B = done_B | bad_B
   seq_BS = write_tokens(state.seq_BS, lengths_B + state.num_generated_B, new_BG1, count_B)
   # The target now holds pending + drafts up to the last kept one (a row cut short by its
   # budget or an EOS keeps only what it emitted); the next token is the new pending one.
@@ -137,7 +154,7 @@ def commit_round(*, drafter: Drafter, draft_params, lengths_B, budget_B, eos_id,
   metrics = state.metrics.update(~state.done_B, num_accepted_B, count_B)
   counts = None if state.counts is None else state.counts.add(new_BG1, count_B)
   return SpecState(seq_BS, pending_B, state.num_generated_B + count_B, done_B, cache, draft_state,
-                   key, metrics, counts)
+                   key, metrics, state.failed_B | bad_B, counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,13 +180,13 @@ class SpeculativeProgram:
                                                 self.cache_len)
     key, first_key = jax.random.split(key)
     counts = TokenCounts.of_prompts(tokens_BP, lengths_B, self.target.vocab_size, self.sampling)
-    pending_B, seq_BS, num_generated_B, done_B, counts = first_token(
+    pending_B, seq_BS, num_generated_B, done_B, counts, failed_B = first_token(
         first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, self.sampling, counts)
     draft_state = self.drafter.init(draft_params, PromptInfo(tokens_BP, lengths_B,
                                                              self.cache_len, hidden_BPD))
     metrics = SpecMetrics.zeros(tokens_BP.shape[0], self.gamma).replace(tokens_B=num_generated_B)
     return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics,
-                     counts)
+                     failed_B, counts)
 
   def run(self, params, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
           round_limit) -> SpecState:
@@ -185,7 +202,8 @@ class SpeculativeProgram:
   def finish(self, state: SpecState, lengths_B, pad_id) -> GenerationOutput:
     tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B,
                                  self.max_new_tokens, pad_id)
-    return GenerationOutput(tokens_BN, state.num_generated_B, state.metrics, state.seq_BS)
+    return GenerationOutput(tokens_BN, state.num_generated_B, state.metrics, state.seq_BS,
+                            failed=state.failed_B)
 
 
 @functools.partial(jax.jit, static_argnames=("program",))
@@ -201,8 +219,8 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
             gamma: int, max_new_tokens: int, sampling: SamplingConfig, eos_id, key, budgets_B,
             pad_id: int, cache_len: int | None, verifier) -> tuple[SpeculativeProgram, tuple]:
   """Validates everything on the host -> (program, its array arguments after the params)."""
-  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
-    raise ValueError(f"gamma (draft length) must be an integer >= 1, got {gamma}")
+  if not is_int(gamma) or gamma < 1:  # 4.0 and True are not draft lengths
+    raise BadArgument(f"gamma (draft length) must be an integer >= 1, got {gamma!r}")
   gamma = int(gamma)
   drafter.check(target, gamma)
   tokens, lengths, cache_len = check_generation_args(
@@ -210,6 +228,7 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
       extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id, target.vocab_size)
+  pad_id = pad_id_value(pad_id, target.vocab_size)
   # a drafter that reads several target layers gets them with every target hidden state
   program = SpeculativeProgram(target_with_features(target, drafter), drafter, gamma,
                                int(max_new_tokens), cache_len, sampling, verifier)
@@ -227,7 +246,14 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
   The output's `metrics` is a SpecMetrics (see spec_jax.metrics.summarize). With
   `return_state=True` also returns the final target cache and drafter state. `verifier`
   (static; default `spec_jax.verify.verify`) may be swapped for research on acceptance rules.
+  gamma="auto" (or an AdaptiveConfig): adaptive speculation, as engine.speculate.
   """
+  if not isinstance(gamma, int):  # "auto" / AdaptiveConfig: the engine measures the costs
+    from spec_jax.engine import speculate
+    return speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B,
+                     gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+                     key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
+                     return_state=return_state, verifier=verifier)
   program, args = prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B, gamma=gamma,
                           max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                           key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from spec_jax.drafters.base import DraftContext, TreeDrafter
 from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
-from spec_jax.core.sampling import SamplingConfig, process_logits
-from spec_jax.generate import EosIds, token_history
+from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits
+from spec_jax.generate import EosIds, finite_prefix, token_history
 from spec_jax.speculative import SpecState, speculative_jit, commit_round, prepare
 from spec_jax.tree_verify import verify_tree
 
@@ -76,6 +76,8 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
     logits_BNV = process_logits(logits_BNV, sampling,
                                 history.along_tree(tree.tokens_BN, ancestors_BNN, tree.depth_BN))
   path_BR1, num_accepted_B, next_B = verifier(tree, logits_BNV, sampling, verify_key)
+  # the logits each kept token was chosen from: those of the path's nodes (root first)
+  num_finite_B = finite_prefix(jnp.take_along_axis(nonfinite_rows(logits_BNV), path_BR1, axis=1))
 
   cache = compact_path(cache, length_B, path_BR1)
   path_tokens_BR = jnp.take_along_axis(tree.tokens_BN, path_BR1[:, 1:], axis=1)
@@ -84,7 +86,8 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
                       budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
                       draft_state=draft_state, draft_tokens_BG=path_tokens_BR,
                       num_accepted_B=num_accepted_B, next_B=next_B,
-                      hidden_BG1D=path_hidden_BR1D, tree_path_BR1=path_BR1)
+                      hidden_BG1D=path_hidden_BR1D, num_finite_B=num_finite_B,
+                      tree_path_BR1=path_BR1)
 
 
 def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, draft_params,

@@ -41,7 +41,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spec_jax.core.sampling import SamplingConfig, greedy, sample_from_probs, warped_probs
+from spec_jax.core.sampling import (SamplingConfig, greedy, sample_from_probs, uniform_rows,
+                                    warped_probs)
 from spec_jax.tree import TokenTree
 
 
@@ -111,7 +112,8 @@ def verify_tree_probs(tree: TokenTree, target_probs_BNV: jax.Array, key: jax.Arr
   batch, num_nodes, vocab = target_probs_BNV.shape
   p_NBV = target_probs_BNV.astype(jnp.float32).transpose(1, 0, 2)
   accept_key, residual_key = jax.random.split(key)
-  u_NB = jax.random.uniform(accept_key, (num_nodes - 1, batch), jnp.float32)
+  # a key per row ([B, N-1], then node-major for the scan): a row's numbers do not depend on B
+  u_NB = uniform_rows(accept_key, (batch, num_nodes - 1)).T
   q_NBV = None if tree.probs_BNV is None else (
       tree.probs_BNV.astype(jnp.float32).transpose(1, 0, 2)[1:])
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from spec_jax.core.sampling import SamplingConfig, greedy, sample_from_probs, warped_probs
+from spec_jax.core.sampling import (SamplingConfig, greedy, sample_from_probs, uniform_rows,
+                                    warped_probs)
 
 
 def check_verify_shapes(draft_tokens_BG, draft_probs_BGV, target_logits_BG1V):
@@ -55,7 +56,7 @@ def verify_probs(draft_tokens_BG, draft_probs_BGV, target_probs_BG1V, key):
   accept_key, residual_key = jax.random.split(key)
   p_draft_BG = jnp.take_along_axis(p_BG1V[:, :gamma], draft_tokens_BG[..., None], axis=-1)[..., 0]
   q_draft_BG = jnp.take_along_axis(q_BGV, draft_tokens_BG[..., None], axis=-1)[..., 0]
-  u_BG = jax.random.uniform(accept_key, (batch, gamma), jnp.float32)
+  u_BG = uniform_rows(accept_key, (batch, gamma))  # a key per row: independent of the batch
   num_accepted_B = _count_leading_true(u_BG * q_draft_BG < p_draft_BG)
 
   # q is zero past the last draft, so the residual there is p itself: the bonus token.

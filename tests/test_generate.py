@@ -119,3 +119,158 @@ def test_bad_input_raises_before_compute():
              sampling=SamplingConfig(temperature=1.0))
   with pytest.raises(ValueError, match="budgets"):
     generate(model, params, *pad_prompts([[1, 2]]), max_new_tokens=4, budgets_B=[9])
+
+
+# --- issue 16: NaN rows reported, integer arguments, per-row reproducibility ---------------------
+
+import dataclasses  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+
+from conftest import perturbed  # noqa: E402
+from spec_jax.core.errors import BadArgument  # noqa: E402
+from spec_jax.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter  # noqa: E402
+from spec_jax.engine import speculate  # noqa: E402
+from spec_jax.generate import failure_message  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class NaNLogits:
+  """A target whose logits are NaN in one row from one position on (its first k generated
+  tokens come from finite logits, the rest would not): params poisoned for a single row."""
+  model: object
+  row: int
+  position: int
+
+  def __getattr__(self, name):
+    if name == "model":
+      raise AttributeError(name)
+    return getattr(self.model, name)
+
+  def apply(self, params, tokens_BT, positions_BT, cache, **kw):
+    logits_BTV, hidden_BTD, cache = self.model.apply(params, tokens_BT, positions_BT, cache, **kw)
+    bad_BT = (jnp.arange(tokens_BT.shape[0])[:, None] == self.row) & (positions_BT >= self.position)
+    return jnp.where(bad_BT[..., None], jnp.nan, logits_BTV), hidden_BTD, cache
+
+
+ISSUE16_PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def _runs(target, params, draft, draft_params, prompts, **kw):
+  """The same generation autoregressive, by a chain and by a tree."""
+  return {"autoregressive": generate(target, params, *prompts, **kw),
+          "chain": speculate(target, params, DraftModelDrafter(draft), draft_params, *prompts,
+                             gamma=3, **kw),
+          "tree": speculate(target, params, DraftModelTreeDrafter(draft, 3, 2, 7), draft_params,
+                            *prompts, **kw)}
+
+
+@pytest.mark.parametrize("sampling,k", [(SamplingConfig(), 5), (SamplingConfig(1.0), 2)])
+def test_a_row_with_nan_logits_stops_and_is_reported(sampling, k):  # k = 0: the next test
+  model, params = tiny_llama(vocab_size=64, seed=5)
+  draft_params = perturbed(params, 0.5, seed=1)
+  prompts = pad_prompts(ISSUE16_PROMPTS)
+  kw = dict(max_new_tokens=12, sampling=sampling, key=jax.random.key(3))
+  clean = _runs(model, params, model, draft_params, prompts, **kw)
+  poisoned = NaNLogits(model, row=1, position=len(ISSUE16_PROMPTS[1]) - 1 + k)
+  for name, out in _runs(poisoned, params, model, draft_params, prompts, **kw).items():
+    ref = clean[name]
+    assert np.asarray(out.failed).tolist() == [False, True, False], name
+    assert np.asarray(ref.failed).tolist() == [False] * 3, name
+    # row 1 keeps the k tokens drawn from finite logits, then pads; never a token 0 stream
+    assert np.asarray(out.num_tokens).tolist() == [12, k, 12], name
+    assert np.array_equal(out.tokens[1, :k], ref.tokens[1, :k]), name
+    assert (np.asarray(out.tokens[1, k:]) == 0).all(), name
+    assert np.array_equal(out.tokens[0::2], ref.tokens[0::2]), name  # the other rows unchanged
+    assert failure_message(out) == ("generation failed in row 1: the model's logits were not "
+                                    "finite (NaN or inf); check the weights")
+    assert failure_message(ref) is None
+
+
+def test_a_nan_weight_fails_every_row_instead_of_emitting_token_0():
+  model, params = tiny_llama(vocab_size=64, seed=5)
+
+  def one_nan(path, leaf):
+    is_gate = "['layers'][0]['mlp']['w_gate']" in jax.tree_util.keystr(path)
+    return leaf.at[0, 0].set(jnp.nan) if is_gate else leaf
+
+  bad = jax.tree_util.tree_map_with_path(one_nan, params)
+  for name, out in _runs(model, bad, model, params, pad_prompts(ISSUE16_PROMPTS),
+                         max_new_tokens=6).items():
+    assert np.asarray(out.failed).all() and not np.asarray(out.num_tokens).any(), name
+    assert "rows 0, 1, 2" in failure_message(out)
+
+
+def test_generate_cli_exits_1_naming_the_failed_rows(monkeypatch, capsys):
+  import importlib.util
+  from spec_jax import cli
+  from spec_jax.testing import REPO
+  spec = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+
+  class Tokens:  # a tokenizer of the ids themselves
+    bos_id, eos_id = None, None
+    encode = staticmethod(lambda text, add_bos=False: [int(t) for t in text.split()])
+    decode = staticmethod(lambda ids: " ".join(map(str, ids)))
+
+  model, params = tiny_llama(vocab_size=64, seed=5)
+  poisoned = NaNLogits(model, row=1, position=3)
+  monkeypatch.setattr(script, "load_target_and_tokenizer",
+                      lambda args: (poisoned, params, Tokens(), None))
+  for draft in ("none", "prompt_lookup"):
+    status = cli.run(script.main, ["1 2 3", "4 5 6 7", "--draft", draft, "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert status == 1 and err.count("\n") == 1, err
+    assert err.startswith("error: generation failed in row 1: "), err
+
+
+def test_integer_arguments_are_integers():
+  model, params = tiny_llama(vocab_size=48)
+  prompts = pad_prompts([[1, 2, 3, 4, 5]])
+  drafter = DraftModelDrafter(model)
+  cases = [
+      (dict(prompt_lengths_B=np.array([4.5])), "prompt lengths must be integers"),
+      (dict(prompt_lengths_B=np.array([True])), "prompt lengths must be integers"),
+      (dict(prompt_tokens_BP=np.array([[1.0, 2.0]]), prompt_lengths_B=[2]), "prompt tokens"),
+      (dict(max_new_tokens=4.0), "max_new_tokens must be an integer"),
+      (dict(max_new_tokens=True), "max_new_tokens must be an integer"),
+      (dict(budgets_B=[2.5]), "budgets_B"),
+      (dict(budgets_B=[True]), "budgets_B"),
+      (dict(eos_id=2.0), "eos_id"), (dict(eos_id=True), "eos_id"),
+      (dict(eos_id=[1, 2.0]), "eos_id"),
+      (dict(eos_id=48), "eos_id 48 is outside"), (dict(eos_id=10 ** 12), "eos_id 1000000000000"),
+      (dict(eos_id=-1), "eos_id -1"),
+      (dict(pad_id=1.5), "pad_id"), (dict(pad_id=False), "pad_id"), (dict(pad_id=48), "pad_id"),
+      (dict(pad_id=10 ** 12), "pad_id"), (dict(cache_len=20.5), "cache_len"),
+  ]
+  for changes, message in cases:
+    kw = dict(prompt_tokens_BP=prompts[0], prompt_lengths_B=prompts[1], max_new_tokens=4)
+    kw.update(changes)
+    tokens, lengths = kw.pop("prompt_tokens_BP"), kw.pop("prompt_lengths_B")
+    with pytest.raises(BadArgument, match=message):
+      generate(model, params, tokens, lengths, **kw)
+    with pytest.raises(BadArgument, match=message):
+      speculate(model, params, drafter, params, tokens, lengths, gamma=2, **kw)
+  with pytest.raises(BadArgument, match="prompt 1 must be token ids"):
+    pad_prompts([[1, 2], [3.5, 4]])
+  for gamma in (2.0, True, 0):
+    with pytest.raises(BadArgument, match="gamma"):
+      speculate(model, params, drafter, params, *prompts, gamma=gamma, max_new_tokens=4)
+  assert issubclass(BadArgument, ValueError)
+
+
+def test_a_sampled_row_does_not_depend_on_the_batch():
+  """Row 0 alone equals row 0 of a batch of 8 other prompts: every draw uses the row's key."""
+  model, params = tiny_llama(vocab_size=64, seed=6)
+  draft_params = perturbed(params, 0.5, seed=2)
+  rng = np.random.default_rng(0)
+  prompts = [[1, 2, 3, 4]] + [rng.integers(1, 64, rng.integers(2, 7)).tolist() for _ in range(7)]
+  kw = dict(max_new_tokens=16, sampling=SamplingConfig(1.0, top_k=20), key=jax.random.key(7))
+  alone = _runs(model, params, model, draft_params, pad_prompts(prompts[:1], width=6), **kw)
+  batch = _runs(model, params, model, draft_params, pad_prompts(prompts, width=6), **kw)
+  for name in alone:
+    assert np.array_equal(alone[name].tokens[0], batch[name].tokens[0]), name
+    assert int(alone[name].num_tokens[0]) == int(batch[name].num_tokens[0]) == 16
+  assert len({np.asarray(batch[n].tokens[0]).tobytes() for n in batch}) > 1  # really sampled

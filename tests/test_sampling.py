@@ -50,3 +50,58 @@ def test_greedy_distribution_is_one_hot():
 def test_bad_settings_raise(kw, msg):
   with pytest.raises(ValueError, match=msg):
     SamplingConfig(**kw)
+
+
+# --- tiny temperatures (issue 16): warped as (logits - max) / T, one-hot in float32 ------------
+
+@pytest.mark.parametrize("t", [1e-9, 1e-30, 1e-45, 1e-300])
+def test_tiny_temperature_samples_the_argmax(t):
+  logits = np.array([[10.0, 17.8, -10.0]], np.float32)
+  cfg = SamplingConfig(t)
+  jitted = jax.jit(lambda k, l: sample(k, l, cfg))  # as inside the loops' one jit
+  assert np.asarray(sample(jax.random.key(0), logits, cfg)).tolist() == [1]
+  assert np.asarray(jitted(jax.random.key(0), logits)).tolist() == [1]  # was token 0
+  for warp in (warped_probs, jax.jit(warped_probs, static_argnums=1)):
+    np.testing.assert_array_equal(np.asarray(warp(logits, cfg)), [[0.0, 1.0, 0.0]])
+  rows = np.random.default_rng(4).normal(size=(64, 50)).astype(np.float32) * 5
+  for key in range(3):
+    assert np.array_equal(jitted(jax.random.key(key), rows), greedy(rows))
+  assert np.isfinite(np.asarray(warped_probs(rows, SamplingConfig(t, top_k=3, top_p=0.5)))).all()
+
+
+def test_tiny_temperature_verifiers_equal_greedy():
+  """The chain and tree verifiers warp with the same function: at T = 1e-9 they accept and
+  correct exactly as the greedy ones do."""
+  from spec_jax.tree import TokenTree
+  from spec_jax.tree_verify import verify_tree
+  from spec_jax.verify import verify
+  verify, verify_tree = jax.jit(verify, static_argnums=3), jax.jit(verify_tree, static_argnums=2)
+  rng = np.random.default_rng(5)
+  logits_BG1V = rng.normal(size=(16, 4, 12)).astype(np.float32) * 3
+  argmax_BG1 = logits_BG1V.argmax(-1)  # a draft matches it 60% of the time
+  drafts_BG = np.where(rng.random((16, 3)) < 0.6, argmax_BG1[:, :3],
+                       rng.integers(0, 12, (16, 3))).astype(np.int32)
+  q_BGV = np.asarray(warped_probs(rng.normal(size=(16, 3, 12)).astype(np.float32),
+                                  SamplingConfig(1.0)))
+  want = verify(drafts_BG, None, logits_BG1V, SamplingConfig(), None)
+  for probs in (None, q_BGV):  # a deterministic drafter, and one that sampled from q
+    got = verify(drafts_BG, probs, logits_BG1V, SamplingConfig(1e-9), jax.random.key(1))
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+  # a chain as a tree: node i's parent is i - 1
+  tree = TokenTree(np.concatenate([np.zeros((16, 1), np.int32), drafts_BG], 1),
+                   np.broadcast_to(np.arange(-1, 3, dtype=np.int32), (16, 4)),
+                   np.broadcast_to(np.arange(4, dtype=np.int32), (16, 4)), 3)
+  greedy_out = verify_tree(tree, logits_BG1V, SamplingConfig(), None)
+  tiny_out = verify_tree(tree, logits_BG1V, SamplingConfig(1e-30), jax.random.key(2))
+  for a, b in zip(greedy_out, tiny_out):
+    assert np.array_equal(a, b)
+
+
+def test_rows_draw_with_their_own_keys():
+  """Row b's draw depends on the key and its own logits only, not on the batch size."""
+  rows = np.random.default_rng(6).normal(size=(8, 30)).astype(np.float32)
+  key = jax.random.key(3)
+  cfg = SamplingConfig(1.0)
+  batch = np.asarray(sample(key, rows, cfg))
+  assert np.asarray(sample(key, rows[:1], cfg))[0] == batch[0]
+  assert np.array_equal(np.asarray(sample(key, rows[:5], cfg)), batch[:5])

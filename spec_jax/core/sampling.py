@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -207,19 +208,37 @@ def greedy(logits_NV: jax.Array) -> jax.Array:
   return jnp.argmax(logits_NV, axis=-1).astype(jnp.int32)
 
 
+def nonfinite_rows(logits_XV: jax.Array) -> jax.Array:
+  """[X] bool: the logits hold a NaN or +inf (broken weights or activations); -inf is a
+  legitimate mask. Sampling from such a row would silently give garbage (often token 0)."""
+  return jnp.any(jnp.isnan(logits_XV) | (logits_XV == jnp.inf), axis=-1)
+
+
+# The smallest temperature divided by: a normal float32, so the division never meets a
+# flushed denormal; any T below it already gives a one-hot distribution in float32.
+_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
 def warp_logits(logits_NV: jax.Array, cfg: SamplingConfig) -> jax.Array:
   """Log-probabilities of the warped distribution (float32; -inf where cut away).
 
   Temperature, then top-k, then top-p, as in HF transformers. Ties at a cut-off are kept,
   so the result depends only on the logits, never on sort order. At temperature 0 the
   distribution is one-hot at the argmax.
+
+  The temperature divides (logits - max): the largest entry is exactly 0 however the
+  division rounds, so at a tiny T (1e-9, 1e-30) every other entry goes to -inf and the
+  distribution becomes one-hot at the argmax (sampling equals greedy), instead of the
+  normaliser underflowing to 0 (which made every row draw token 0).
   """
   logits_NV = logits_NV.astype(jnp.float32)
   neg_inf = jnp.float32(-jnp.inf)
   if cfg.is_greedy:
     one_hot = jax.nn.one_hot(greedy(logits_NV), logits_NV.shape[-1], dtype=jnp.bool_)
     return jnp.where(one_hot, 0.0, neg_inf)
-  logits_NV = logits_NV / cfg.temperature
+  max_N1 = jnp.max(logits_NV, axis=-1, keepdims=True)
+  max_N1 = jnp.where(jnp.isfinite(max_N1), max_N1, 0.0)  # all -inf: stays -inf, not NaN
+  logits_NV = (logits_NV - max_N1) / jnp.float32(max(cfg.temperature, _MIN_TEMPERATURE))
   vocab = logits_NV.shape[-1]
   if 0 < cfg.top_k < vocab:
     kth_N1 = jax.lax.top_k(logits_NV, cfg.top_k)[0][..., -1:]
@@ -239,14 +258,44 @@ def warped_probs(logits_NV: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return jnp.exp(warp_logits(logits_NV, cfg))
 
 
-def sample(key: jax.Array, logits_NV: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  """Draws one token per row from the warped distribution (argmax when greedy)."""
+# --- random draws, one key per row ---------------------------------------------------------------
+#
+# Every draw of the loops, verifiers and drafters goes through these: row b uses
+# fold_in(key, b), and draws a shape without the batch axis. A [B, ...]-shaped draw would
+# give row 0 different numbers when B changes; this way a row's output depends only on its
+# prompt, settings and key, never on the batch size or the other rows.
+
+def row_keys(key: jax.Array, num_rows: int) -> jax.Array:
+  """[num_rows] keys: row b's is fold_in(key, b)."""
+  return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(num_rows, dtype=jnp.uint32))
+
+
+def uniform_rows(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """float32 uniforms in [0, 1) of `shape` = (rows, ...), row b drawn with row_keys' key."""
+  keys = row_keys(key, shape[0])
+  return jax.vmap(lambda k: jax.random.uniform(k, shape[1:], jnp.float32))(keys)
+
+
+def categorical_rows(key: jax.Array, logits_XV: jax.Array) -> jax.Array:
+  """One draw per distribution (last axis) of logits_XV; rows (the first axis) with their
+  own keys. A 1-D [V] is one draw with `key` itself."""
+  if logits_XV.ndim == 1:
+    return jax.random.categorical(key, logits_XV).astype(jnp.int32)
+  keys = row_keys(key, logits_XV.shape[0])
+  return jax.vmap(lambda k, l: jax.random.categorical(k, l, axis=-1))(
+      keys, logits_XV).astype(jnp.int32)
+
+
+def sample(key: jax.Array, logits_XV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """Draws one token per row from the warped distribution (argmax when greedy); each row
+  (first axis) with its own key (categorical_rows)."""
   if cfg.is_greedy:
-    return greedy(logits_NV)
-  return jax.random.categorical(key, warp_logits(logits_NV, cfg), axis=-1).astype(jnp.int32)
+    return greedy(logits_XV)
+  return categorical_rows(key, warp_logits(logits_XV, cfg))
 
 
-def sample_from_probs(key: jax.Array, probs_NV: jax.Array) -> jax.Array:
-  """Draws from (possibly unnormalised) non-negative weights; zero weight is never drawn."""
-  logits = jnp.where(probs_NV > 0, jnp.log(jnp.maximum(probs_NV, 1e-38)), -jnp.inf)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def sample_from_probs(key: jax.Array, probs_XV: jax.Array) -> jax.Array:
+  """Draws from (possibly unnormalised) non-negative weights; zero weight is never drawn.
+  Each row (first axis) with its own key (categorical_rows)."""
+  logits = jnp.where(probs_XV > 0, jnp.log(jnp.maximum(probs_XV, 1e-38)), -jnp.inf)
+  return categorical_rows(key, logits)
