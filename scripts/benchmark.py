@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from spec_jax import cli
 from spec_jax.bench import report, sections
 from spec_jax.bench import scenarios as sc
 from spec_jax.bench.machine import describe_machine
@@ -56,19 +57,20 @@ SCENARIOS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="runs/bench",
                  help="a folder, or DIR/results.json; results.md and PNGs go beside it")
   p.add_argument("--scenarios", default="1,2,3,4,5", help="comma-separated, e.g. 1,3")
   p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's run)")
-  p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; quick 3)")
+  p.add_argument("--repeats", type=cli.positive_int, default=None,
+                 help="timed repeats (default 5; quick 3)")
   p.add_argument("--layout", default=None, choices=tuple(LAYOUTS),
                  help="params layout of our models (spec_jax.models.llama.LAYOUTS; default fused)")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="dtype of the scenario 3/5 models (default float32; use bfloat16 on GPU/TPU)")
   p.add_argument("--target-size", default=None, choices=sorted(sc.TARGET_SIZES),
                  help="scenario 3/5 target shape (default 300M; 1B/3B for accelerators)")
-  p.add_argument("--compile-workers", type=int, default=None,
+  p.add_argument("--compile-workers", type=cli.positive_int, default=None,
                  help="programs compiled at once (default 1; quick 2, whose compile_s are then "
                       "contended wall times)")
   args = p.parse_args(argv)
@@ -126,4 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))
