@@ -49,6 +49,8 @@ def parse_args(argv=None):
   p.add_argument("--minutes", type=float, default=20.0, help="training time budget")
   p.add_argument("--steps", type=int, default=None, help="instead of --minutes")
   p.add_argument("--feature-noise", type=float, default=0.1)
+  p.add_argument("--token-positions", type=int, default=32,
+                 help="token loss on this many random positions per row (0: every position)")
   p.add_argument("--export", default=None, help="write the drafter here")
   p.add_argument("--dtype", default="int8", choices=("float32", "float16", "int8"))
   p.add_argument("--gamma", type=int, default=3)
@@ -160,6 +162,70 @@ def make_feature_loss_fn(kind, model, spec, **options):
   return loss_fn
 
 
+def _gather_BND(x_BTD, idx_BN):
+  return jnp.take_along_axis(x_BTD, idx_BN[..., None], axis=1)
+
+
+def _kl_at(student_BND, teacher_logits_BNV, valid_BN, head):
+  """Forward KL(teacher || student) where the student is the head on `student_BND`."""
+  from spec_jax.losses import distillation_kl
+  return distillation_kl(head.logits(student_BND), teacher_logits_BNV, valid_BN)
+
+
+def make_sampled_loss_fn(kind, model, spec, num_positions: int, feature_noise: float = 0.0,
+                         token_weight: float = 0.1):
+  """The family's loss with its token term on `num_positions` random positions per row.
+
+  Profiled on this CPU: the 49,152-token head dominates a step (teacher logits, the
+  drafter's logits and their gradient, per position and per MTP module), not the drafter's
+  one layer. EAGLE keeps its feature regression on every position (its main term) and
+  its token KL on the sampled ones; MTP's token KL (its only term) is sampled per module.
+  Unused full-sequence logits are dead code to XLA.
+  """
+  from spec_jax.losses import positions_of, smooth_l1, shift_left, TargetOutputs  # noqa: F401
+  from spec_jax.models.drafter_heads import HeadParams, shared_head
+  dim = model.config.dim
+
+  def loss_fn(own, batch, rng):
+    head = shared_head(model, batch["target_params"])
+    tokens_BT, mask_BT = batch["tokens"], batch["mask"]
+    hidden_BTD = batch["hidden"].astype(jnp.float32)
+    b, t = tokens_BT.shape
+    rng_pos, rng_noise = jax.random.split(rng)
+    params = HeadParams(own, head)
+    positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cache = spec.model.init_cache(b, t)
+    metrics = {}
+    if kind == "eagle":
+      feats_BTD = hidden_BTD
+      if feature_noise:
+        feats_BTD = feats_BTD + jax.random.uniform(rng_noise, feats_BTD.shape, feats_BTD.dtype,
+                                                   -feature_noise, feature_noise)
+      _, pred_BTD, _ = spec.model.apply(params, feats_BTD, shift_left(tokens_BT, 1),
+                                        positions_BT, cache)
+      feature = smooth_l1(pred_BTD, shift_left(hidden_BTD, 1), shift_left(mask_BT, 1, False))
+      # pred at i is f_{i+1}; its token is x_{i+2}: the target's logits at i+1
+      idx_BN = jax.random.randint(rng_pos, (b, num_positions), 0, t - 2)
+      teacher_BNV = head.logits(_gather_BND(hidden_BTD[..., :dim], idx_BN + 1))
+      valid_BN = jnp.take_along_axis(shift_left(mask_BT, 2, False), idx_BN, axis=1)
+      tok = _kl_at(_gather_BND(pred_BTD, idx_BN), teacher_BNV, valid_BN, head)
+      metrics = {"feature_loss": feature, "token_loss": tok}
+      return feature + token_weight * tok, metrics
+    # MTP: module k at i reads (h^{k-1}_i, x_{i+k}) and predicts x_{i+k+1}: target logits at i+k
+    h_BTD, total, K = hidden_BTD[..., :dim], 0.0, spec.model.num_modules
+    for k in range(1, K + 1):
+      _, h_BTD, cache = spec.model.apply_module(params, k, h_BTD, shift_left(tokens_BT, k),
+                                                positions_BT, cache)
+      idx_BN = jax.random.randint(jax.random.fold_in(rng_pos, k), (b, num_positions), 0, t - k - 1)
+      teacher_BNV = head.logits(_gather_BND(hidden_BTD[..., :dim], idx_BN + k))
+      valid_BN = jnp.take_along_axis(shift_left(mask_BT, k + 1, False), idx_BN, axis=1)
+      loss = _kl_at(head.final_norm(_gather_BND(h_BTD, idx_BN)), teacher_BNV, valid_BN, head)
+      metrics[f"loss_{k}"] = loss
+      total = total + loss / K
+    return total, metrics
+  return loss_fn
+
+
 def stage_train(args):
   import inspect
 
@@ -174,7 +240,12 @@ def stage_train(args):
   accepted = inspect.signature(spec.trained.loss).parameters
   options = {k: v for k, v in dict(token="kl", feature_noise=args.feature_noise).items()
              if k in accepted}
-  loss_fn = make_feature_loss_fn(args.kind, model, spec, **options)
+  if args.token_positions:
+    loss_fn = make_sampled_loss_fn(args.kind, model, spec, args.token_positions,
+                                   **({"feature_noise": args.feature_noise}
+                                      if args.kind == "eagle" else {}))
+  else:
+    loss_fn = make_feature_loss_fn(args.kind, model, spec, **options)
   train = data["train"]
 
   def batch_fn(step):
