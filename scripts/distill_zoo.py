@@ -196,7 +196,7 @@ def make_sampled_loss_fn(kind, model, spec, num_positions: int, feature_noise: f
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cache = spec.model.init_cache(b, t)
     metrics = {}
-    if kind == "eagle":
+    if not hasattr(spec.model, "num_modules"):  # EAGLE's single layer (MTP has modules)
       feats_BTD = hidden_BTD
       if feature_noise:
         feats_BTD = feats_BTD + jax.random.uniform(rng_noise, feats_BTD.shape, feats_BTD.dtype,
@@ -243,7 +243,7 @@ def stage_train(args):
   if args.token_positions:
     loss_fn = make_sampled_loss_fn(args.kind, model, spec, args.token_positions,
                                    **({"feature_noise": args.feature_noise}
-                                      if args.kind == "eagle" else {}))
+                                      if "feature_noise" in accepted else {}))
   else:
     loss_fn = make_feature_loss_fn(args.kind, model, spec, **options)
   train = data["train"]

@@ -63,10 +63,11 @@ REAL_PROMPTS = [  # (kind, user message)
 ]
 
 LAYER_SKIP = 12  # of SmolLM2's 30 layers, for layer_skip and HF's assistant_early_exit
+LOOKUP_GAMMA = 4  # prompt lookup's drafts per round, ours and HF's prompt_lookup_num_tokens
 
 # (row label, make_drafter kind, options, best gamma); trained kinds load the zoo's files
 REAL_DRAFTERS = [
-    ("prompt lookup", "prompt_lookup", {}, 4),
+    ("prompt lookup", "prompt_lookup", {}, LOOKUP_GAMMA),
     ("EAGLE (trained, int8)", "eagle", {}, 3),
     ("MTP (trained, int8)", "mtp", {}, 3),
     (f"lookup + layer skip {LAYER_SKIP}/30", "lookup+layer_skip", {"num_layers": LAYER_SKIP}, 4),
@@ -148,7 +149,7 @@ def real_model(plan, ctx: dict) -> dict:
         if "hf_smollm2" not in ctx:
           ctx["hf_smollm2"] = hf_smollm2(path)
         model = ctx["hf_smollm2"]
-        pl_gamma = next((g for _, k, *_, g in drafters if k == "prompt_lookup"), 4)
+        pl_gamma = LOOKUP_GAMMA
         hf = [hf_case(model, "hf: plain, batch 1", {}, new, method="autoregressive",
                       drafter=None, gamma=None, batch=1),
               hf_case(model, f"hf: prompt_lookup_num_tokens={pl_gamma}, batch 1",
