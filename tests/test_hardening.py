@@ -219,21 +219,43 @@ def native_folder(tmp_path_factory) -> Path:
   return folder
 
 
-def _data_file(folder: Path) -> Path:
-  files = [Path(r) / f for r, _, names in os.walk(folder / "params") for f in names]
-  return max(files, key=lambda p: p.stat().st_size)
+def _data_files(folder: Path) -> list[Path]:
+  """The ocdbt data files (under a `d/` folder) that hold the compressed tensor chunks."""
+  return [Path(r) / f for r, _, names in os.walk(folder / "params") for f in names
+          if Path(r).name == "d"]
 
 
-def test_native_checksums_catch_64_flipped_bytes(native_folder, tmp_path):
+def test_native_checksums_catch_changed_tensor_bytes(native_folder, tmp_path):
+  # A data file whose bytes changed yet still decode (what zstd without a content checksum
+  # lets through): only the saved crc32 can tell. Built deterministically, as a valid orbax
+  # tree of other values under the original config.json, since where orbax puts which chunk
+  # (and so where a random flip lands) varies from machine to machine.
   folder = tmp_path / "n"
   shutil.copytree(native_folder, folder)
   assert len(json.loads((folder / "config.json").read_text())["tensor_crc32"]) == 2 + 9 * 2 + 1
-  path = _data_file(folder)
-  data = bytearray(path.read_bytes())
-  middle = len(data) // 2
-  data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])
-  path.write_bytes(bytes(data))
-  with pytest.raises(CheckpointError, match=r"tensor [\w.]+ fails its checksum .*corrupt"):
+  model, params = small()
+  flat = params_to_flat(params)
+  name = "layers.0.attn.wq.kernel"
+  nudged = float(np.asarray(flat[name]).reshape(-1)[3]) + 1e-3  # finite, plausible, wrong
+  native.save_native(str(tmp_path / "other"), model, _with(model, flat, name, nudged))
+  shutil.rmtree(folder / "params")
+  shutil.copytree(tmp_path / "other" / "params", folder / "params")
+  with pytest.raises(CheckpointError, match=rf"tensor {name} fails its checksum .*corrupt"):
+    load_model(str(folder))
+
+
+def test_native_flipped_bytes_in_every_data_file(native_folder, tmp_path):
+  folder = tmp_path / "n"
+  shutil.copytree(native_folder, folder)
+  files = _data_files(folder)
+  assert files, "orbax wrote no ocdbt data files: the layout this test assumes changed"
+  for path in files:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+  # a chunk that no longer decodes, or decodes to other values: either way named as corrupt
+  with pytest.raises(CheckpointError, match=r"corrupt"):
     load_model(str(folder))
 
 
