@@ -18,6 +18,7 @@ import dataclasses
 import jax
 
 from spec_jax import adaptive
+from spec_jax.core.pytree_names import check_params_fit
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters import registry
 from spec_jax.drafters.factory import make_drafter
@@ -65,6 +66,13 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
                  verifier=verifier or verify, **common)
 
 
+def check_all_params(target, params, drafter, draft_params) -> None:
+  """Host-side: the target's and the drafter's params fit their models (BadArgument naming
+  the tensor otherwise), so params of another model never reach the tracer."""
+  check_params_fit(target, params, what="target params")
+  drafter.check_params(draft_params)
+
+
 def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B, *,
               gamma: int | str | None = None, max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), eos_id=None, key=None,
@@ -78,6 +86,7 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
   state. gamma="auto": adaptive speculation (spec_jax.adaptive), its cost table measured
   on the first call for this target, drafter and batch shape.
   """
+  check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
                                   eos_id=eos_id, key=key, budgets_B=budgets_B, pad_id=pad_id,
@@ -92,6 +101,7 @@ def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_length
           **settings) -> jax.stages.Lowered:
   """The lowered program `speculate` would run with these arguments (settings as there):
   `.compile()` it ahead of time, or read `.as_text()`."""
+  check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   **settings)
   return speculative_jit.lower(program, params, draft_params, *args)

@@ -23,6 +23,7 @@ from flax import struct
 from spec_jax.core.errors import BadArgument, check_int, is_int
 from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import KVCache
+from spec_jax.core.pytree_names import check_params_fit
 from spec_jax.core.sampling import (SamplingConfig, TokenCounts, TokenHistory, nonfinite_rows,
                                     process_logits, sample)
 
@@ -335,6 +336,7 @@ def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max
   tokens, lengths, cache_len = check_generation_args(
       model, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       cache_len=cache_len)
+  check_params_fit(model, params, what="params")
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id, model.vocab_size)
   pad_id = pad_id_value(pad_id, model.vocab_size)

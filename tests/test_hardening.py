@@ -404,6 +404,39 @@ def test_medusa_tree_depth_is_checked_before_enumeration_and_enumeration_is_lazy
 
 # ---- tokenizers ---------------------------------------------------------------------------------
 
+def test_params_of_another_model_are_named_before_tracing():
+  # "Incorrect number of leaves, expected 47", raised inside the trace, was all one got
+  import jax.numpy as jnp
+  from spec_jax import generate, speculate
+  from spec_jax.drafters.draft_model import DraftModelDrafter
+  from spec_jax.drafters.factory import make_drafter
+  target, params = small()
+  draft, draft_params = small(dim=8, hidden_dim=12)
+  shallow, shallow_params = small(n_layers=1)
+  tokens, lengths = jnp.ones((1, 4), jnp.int32), jnp.array([4])
+  with pytest.raises(BadArgument, match=r"draft params for DraftModelDrafter: parameter embed "
+                                        r"has shape \(32, 16\), the LlamaModel given expects "
+                                        r"\(32, 8\)"):
+    make_drafter("draft_model", target, params, draft_model=draft, draft_params=params)
+  with pytest.raises(BadArgument, match=r"draft params .*missing \['layers\.1\."):
+    speculate(target, params, DraftModelDrafter(target), shallow_params, tokens, lengths,
+              gamma=2, max_new_tokens=4)
+  with pytest.raises(BadArgument, match=r"^target params: parameter embed has shape"):
+    speculate(target, draft_params, DraftModelDrafter(draft), draft_params, tokens, lengths,
+              gamma=2, max_new_tokens=4)
+  with pytest.raises(BadArgument, match=r"^params: parameter embed has shape \(32, 8\)"):
+    generate(target, draft_params, tokens, lengths, max_new_tokens=4)
+  with pytest.raises(BadArgument, match=r"expected \(primary params, secondary params\)"):
+    drafter, _ = make_drafter("lookup+draft_model", target, params, draft_model=draft,
+                              draft_params=draft_params)
+    speculate(target, params, drafter, draft_params, tokens, lengths, gamma=2,
+              max_new_tokens=4)
+  # what fits runs: int8 kernels count as the float tensors they stand for
+  out = speculate(target, params, *make_drafter("quantized", target, params), tokens, lengths,
+                  gamma=2, max_new_tokens=4)
+  assert out.tokens.shape == (1, 4)
+
+
 def test_lone_surrogate_is_a_tokenizer_error():
   tokenizers = [load_tokenizer(builtin.BUILTIN_DIR / "tokenizer.json")]
   tok512 = REPO.parent / "shared" / "models" / "stories260K" / "tok512.bin"

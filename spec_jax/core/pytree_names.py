@@ -3,9 +3,14 @@ tensors matches what a model expects (names and shapes), shared by every reader 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping
 
 import jax
+import numpy as np
+
+from spec_jax.core.errors import BadArgument
+from spec_jax.core.quantize import QuantizedArray, QuantizedArrayOI
 
 
 def path_to_name(path) -> str:
@@ -41,3 +46,29 @@ def check_names_and_shapes(expected: Mapping[str, object], actual: Mapping[str, 
     if shape(actual[name]) != shape(want):
       raise error(f"{source}: parameter {name} has shape {shape(actual[name])}, {expected_by} "
                   f"expects {shape(want)}")
+
+
+def _is_quantized(x) -> bool:
+  return isinstance(x, (QuantizedArray, QuantizedArrayOI))
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+  # a quantized kernel counts as one tensor of its logical shape, as the float one it replaces
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_quantized)
+  return {path_to_name(p): tuple(getattr(x, "shape", None) or np.shape(x)) for p, x in leaves}
+
+
+@functools.lru_cache(maxsize=64)
+def expected_shapes(model) -> dict[str, tuple[int, ...]]:
+  """{name: shape} of the params `model` (hashable, with abstract_params()) runs on."""
+  return _shapes(model.abstract_params())
+
+
+def check_params_fit(model, params, *, what: str) -> None:
+  """BadArgument unless `params` has the names and shapes `model.abstract_params()` says,
+  checked on the host before tracing (params of another model otherwise fail deep inside
+  jax, as "Incorrect number of leaves"). Models without abstract_params are not checked."""
+  if not hasattr(model, "abstract_params"):
+    return
+  check_names_and_shapes(expected_shapes(model), _shapes(params), source=what,
+                         error=BadArgument, expected_by=f"the {type(model).__name__} given")

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 from flax import struct
 
+from spec_jax.core.pytree_names import check_params_fit
 from spec_jax.core.sampling import SamplingConfig, TokenHistory
 
 
@@ -93,6 +94,14 @@ class Drafter:
       raise ValueError(f"drafter vocabulary ({self.vocab_size}) differs from the target's "
                        f"({target.vocab_size}); draft and target must share one tokenizer")
     check_feature_layers(self.feature_layers, target, type(self).__name__)
+
+  def check_params(self, params) -> None:
+    """Host-side: `params` fit this drafter's model (names and shapes), before tracing.
+    By default the drafter's `model`, if it has abstract_params, against params (or their
+    trainable `own` part, for heads that borrow the target's); override to check more."""
+    model = getattr(self, "model", None)
+    check_params_fit(model, getattr(params, "own", params),
+                     what=f"draft params for {type(self).__name__}")
 
   def extra_slots(self, gamma: int) -> int:
     """Cache slots a round may write beyond the kept tokens (target: gamma drafts + 1)."""

@@ -33,6 +33,7 @@ from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
 from spec_jax.drafters.common import autoregressive_drafts
 from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, found_match
 from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
+from spec_jax.core.errors import BadArgument
 from spec_jax.core.sampling import SamplingConfig
 
 
@@ -114,6 +115,13 @@ class FallbackDrafter(Drafter):
 
   def extra_slots(self, gamma: int) -> int:
     return max(self.primary.extra_slots(gamma), self.secondary.extra_slots(gamma))
+
+  def check_params(self, params) -> None:
+    if not isinstance(params, (tuple, list)) or len(params) != 2:
+      raise BadArgument(f"draft params for {type(self).__name__}: expected (primary params, "
+                        f"secondary params), got {type(params).__name__}")
+    self.primary.check_params(params[0])
+    self.secondary.check_params(params[1])
 
   def init(self, params, prompt: PromptInfo) -> FallbackState:
     return FallbackState(self.primary.init(params[0], prompt),

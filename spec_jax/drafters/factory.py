@@ -50,10 +50,12 @@ def make_drafter(kind: str, target_model, target_params, *, draft_model=None, dr
   fam, combined = registry.resolve(kind)
   opts = BuildOptions(draft_model, draft_params, num_layers, max_ngram, min_ngram, tree)
   if combined is None:
-    return _build(fam, target_model, target_params, checkpoint, opts)
-  if tree is not None:
-    raise ValueError(f"drafter {kind!r} has no tree variant; trees: "
-                     f"{', '.join(registry.tree_kinds())}")
-  drafter, params = _build(combined, target_model, target_params, checkpoint,
-                           dataclasses.replace(opts, tree=None))
-  return fam.combine(drafter, params, opts)
+    drafter, params = _build(fam, target_model, target_params, checkpoint, opts)
+  else:
+    if tree is not None:
+      raise ValueError(f"drafter {kind!r} has no tree variant; trees: "
+                       f"{', '.join(registry.tree_kinds())}")
+    drafter, params = fam.combine(*_build(combined, target_model, target_params, checkpoint,
+                                          dataclasses.replace(opts, tree=None)), opts)
+  drafter.check_params(params)  # another model's params: named here, not deep in a trace
+  return drafter, params
