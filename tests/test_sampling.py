@@ -23,6 +23,20 @@ def _reference_warp(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarra
   return probs
 
 
+def test_greedy_is_argmax_exactly():
+  # greedy's two-reduction argmax must pick jnp.argmax's index in every case: ties (the
+  # first), NaN (the first NaN), +-inf, all -inf, and small integer-valued logits (many ties)
+  rng = np.random.default_rng(0)
+  rows = [rng.integers(-3, 4, size=(64, 7)).astype(np.float32),
+          rng.normal(size=(32, 513)).astype(np.float32),
+          np.array([[1, np.nan, 3, np.nan], [-np.inf] * 4, [2, 5, 5, 1], [np.inf, 1, np.inf, 0],
+                    [-np.inf, -1, -np.inf, -1], [np.nan] * 4], np.float32)]
+  for logits in rows:
+    np.testing.assert_array_equal(np.asarray(greedy(logits)), np.argmax(logits, -1))
+  logits = rng.normal(size=(3, 5, 17)).astype(np.float32)  # leading axes are batch axes
+  np.testing.assert_array_equal(np.asarray(greedy(logits)), np.argmax(logits, -1))
+
+
 @pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.7),
                                    (2.0, 5, 0.5), (0.8, 1, 1.0), (1.0, 0, 1e-6)])
 def test_warp_matches_reference(t, k, p):
