@@ -247,90 +247,119 @@ class AdaptiveRound:
 
   def __call__(self, target, drafter: Drafter, gamma: int, sampling: SamplingConfig, verifier,
                params, draft_params, lengths_B, budget_B, eos_id, s):
-    from spec_jax.speculative import commit_round  # speculative.py imports this module lazily
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     costs, draft_cost = cfg.cost_table()
     cost_G1 = jnp.asarray(cost_of_lengths(cfg.widths, costs))
-    active_B = ~s.done_B
-    key, draft_key, verify_key = jax.random.split(s.key, 3)
-    length_B = s.cache.length_B
-    history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
-    ctx = DraftContext(s.seq_BS, length_B, s.pending_B, history)
-    pending_B1 = s.pending_B[:, None]
+    step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
+                             draft_params, lengths_B, budget_B, eos_id)
     probe = stats.idle_rounds >= stats.probe_interval
-    commit = functools.partial(commit_round, drafter=drafter, draft_params=draft_params,
-                               lengths_B=lengths_B, budget_B=budget_B, eos_id=eos_id, state=s,
-                               key=key, ctx=ctx)
-
-    def run_width(w, block_BG1, draft_tokens_BG, draft_probs_BGV, admitted_B, cache):
-      positions_BW = length_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
-      logits_BWV, hidden_BWD, cache = target.apply(params, block_BG1[:, :w], positions_BW, cache)
-      if w == 1:  # the plain step: no drafts, nothing to reject
-        logits_BV = process_logits(logits_BWV[:, 0], sampling, history)
-        num_accepted_B, next_B = jnp.zeros_like(s.pending_B), sample(verify_key, logits_BV,
-                                                                      sampling)
-      else:
-        logits_BWV = process_logits(logits_BWV, sampling, None if history is None
-                                    else history.along_chain(block_BG1[:, :w]))
-        probs = None if draft_probs_BGV is None else draft_probs_BGV[:, :w - 1]
-        num_accepted_B, next_B = verify_admitted(
-            verifier, draft_tokens_BG[:, :w - 1], probs, logits_BWV, sampling, verify_key,
-            jnp.minimum(admitted_B, w - 1))
-      hidden_BG1D = jnp.pad(hidden_BWD, ((0, 0), (0, gamma + 1 - w), (0, 0)))  # never read
-      # rows whose logits were not finite stop there, failed (see commit_round)
-      return num_accepted_B, next_B, hidden_BG1D, cache, finite_prefix(nonfinite_rows(logits_BWV))
-
-    def plain_round(s):  # nobody's draft pays: one target step, the drafter only catches up
-      draft_state = drafter.catch_up(draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
-      drafts_BG = jnp.zeros((s.pending_B.shape[0], gamma), jnp.int32)
-      num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = run_width(
-          1, pending_B1, drafts_BG, None, jnp.zeros_like(s.pending_B), s.cache)
-      new = commit(cache=cache, draft_state=draft_state, draft_tokens_BG=drafts_BG,
-                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
-                   num_finite_B=num_finite_B)
-      return new, jnp.zeros_like(s.pending_B), num_accepted_B, jnp.int32(0)
 
     def drafted_round(s):
-      drafts_BG, probs_BGV, draft_state = drafter.propose(draft_params, s.draft_state, ctx, gamma,
-                                                          sampling, draft_key)
-      if probs_BGV is None:
-        q_BG = top_BG = jnp.ones(drafts_BG.shape, jnp.float32)
-      else:
-        q_BG = jnp.take_along_axis(probs_BGV, drafts_BG[..., None], axis=-1)[..., 0]
-        top_BG = jnp.max(probs_BGV, axis=-1)
-      conf_BG = drafter.acceptance_estimates(draft_state)
-      conf_BG = top_BG if conf_BG is None else conf_BG.astype(jnp.float32)
-      survival_BG = jnp.cumprod(jnp.minimum(conf_BG, stats.estimate_BG), axis=1)
-      inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)
-      admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)
-      admitted_B = jnp.where(probe, jnp.maximum(admitted_B, 1), admitted_B)
-      empty_B = drafter.empty_rows(draft_state)
-      if empty_B is not None:
-        admitted_B = jnp.where(empty_B, 0, admitted_B)
-      admitted_B = jnp.where(active_B, admitted_B, 0)
-      k = schedule_length(survival_BG, admitted_B, active_B, cost_G1)
-      k = jnp.where(probe, jnp.max(admitted_B), k)
-      admitted_B = jnp.minimum(admitted_B, k)
-      block_BG1 = jnp.concatenate([pending_B1, drafts_BG], axis=1)
-      branches = [functools.partial(run_width, w, block_BG1, drafts_BG, probs_BGV, admitted_B)
-                  for w in cfg.widths]
-      w_idx = width_index(cfg.widths, jnp.max(admitted_B))
-      num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = jax.lax.switch(
-          w_idx, branches, s.cache)
-      new = commit(cache=cache, draft_state=draft_state, draft_tokens_BG=drafts_BG,
-                   num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
-                   num_finite_B=num_finite_B)
-      return new, admitted_B, num_accepted_B, w_idx
+      return self.drafted_round(step, drafter, gamma, sampling, draft_params, eos_id, cost_G1,
+                                probe, s)
 
-    pass_B = worth_drafting(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, active_B,
-                            cost_G1, draft_cost, rules)
-    draft_now = pass_B | probe
-    new, admitted_B, num_accepted_B, w_idx = jax.lax.cond(draft_now, drafted_round, plain_round, s)
-    stats = stats.update(active_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
+    def plain_steps(s):
+      # Nobody's draft pays: plain steps up to the next probe (at most probe_every), in an
+      # inner loop, so that an undrafted stretch costs what autoregressive decoding does and
+      # not a whole round's bookkeeping (two conditionals, the rules) per token.
+      n = jnp.clip(stats.probe_interval - stats.idle_rounds, 1, rules.probe_every)
+      zeros_B = jnp.zeros_like(s.pending_B)
+
+      def one(c):
+        i, row_rounds, s = c
+        return i + 1, row_rounds + jnp.sum(~s.done_B), step(s, 1, zeros_B, None, None,
+                                                              draft_state=None)
+
+      steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
+                                                one, (jnp.int32(0), jnp.int32(0), s))
+      return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds
+
+    draft_now = worth_drafting(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
+                               cost_G1, draft_cost, rules) | probe
+    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds = jax.lax.cond(
+        draft_now, drafted_round, plain_steps, s)
+    stats = stats.update(~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
                          learning_rate=rules.learning_rate, schedule=rules.schedule,
-                         probe_every=rules.probe_every)
+                         probe_every=rules.probe_every, rounds=steps,
+                         plain_row_rounds=plain_row_rounds)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+  def drafted_round(self, step, drafter, gamma, sampling, draft_params, eos_id, cost_G1, probe,
+                    s):
+    """Drafts gamma_max, admits a prefix per row, verifies at the width the scheduler picks."""
+    cfg, rules = self.config, self.config.rules
+    stats: AdaptiveStats = s.metrics.adaptive
+    active_B = ~s.done_B
+    ctx, _, draft_key, _ = round_inputs(s, sampling, eos_id)
+    drafts_BG, probs_BGV, draft_state = drafter.propose(draft_params, s.draft_state, ctx, gamma,
+                                                        sampling, draft_key)
+    if probs_BGV is None:
+      q_BG = top_BG = jnp.ones(drafts_BG.shape, jnp.float32)
+    else:
+      q_BG = jnp.take_along_axis(probs_BGV, drafts_BG[..., None], axis=-1)[..., 0]
+      top_BG = jnp.max(probs_BGV, axis=-1)
+    conf_BG = drafter.acceptance_estimates(draft_state)
+    conf_BG = top_BG if conf_BG is None else conf_BG.astype(jnp.float32)
+    survival_BG = jnp.cumprod(jnp.minimum(conf_BG, stats.estimate_BG), axis=1)
+    inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)
+    admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)
+    admitted_B = jnp.where(probe, jnp.maximum(admitted_B, 1), admitted_B)
+    empty_B = drafter.empty_rows(draft_state)
+    if empty_B is not None:
+      admitted_B = jnp.where(empty_B, 0, admitted_B)
+    admitted_B = jnp.where(active_B, admitted_B, 0)
+    k = schedule_length(survival_BG, admitted_B, active_B, cost_G1)
+    k = jnp.where(probe, jnp.max(admitted_B), k)
+    admitted_B = jnp.minimum(admitted_B, k)
+    branches = [functools.partial(step, width=w, admitted_B=admitted_B, drafts_BG=drafts_BG,
+                                  probs_BGV=probs_BGV, draft_state=draft_state)
+                for w in cfg.widths]
+    w_idx = width_index(cfg.widths, jnp.max(admitted_B))  # 0, a plain step, when none
+    new, num_accepted_B = jax.lax.switch(w_idx, branches, s)
+    return new, admitted_B, num_accepted_B, w_idx, jnp.int32(1), jnp.int32(0)
+
+  @staticmethod
+  def step(target, drafter, gamma, sampling, verifier, params, draft_params, lengths_B, budget_B,
+           eos_id, s, width, admitted_B, drafts_BG, probs_BGV, *, draft_state):
+    """One target pass of `width` tokens (the pending one + width - 1 drafts) and the commit.
+    width 1 is a plain step; then, with draft_state None, the drafter catches up itself.
+    -> (new state, num_accepted_B), or just the new state for a plain step without drafts."""
+    from spec_jax.speculative import commit_round  # speculative.py imports this module lazily
+    ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id)
+    plain_only = draft_state is None
+    if plain_only:
+      draft_state = drafter.catch_up(draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
+      drafts_BG = jnp.zeros((s.pending_B.shape[0], gamma), jnp.int32)
+    block_BW = jnp.concatenate([s.pending_B[:, None], drafts_BG[:, :width - 1]], axis=1)
+    positions_BW = ctx.position_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    logits_BWV, hidden_BWD, cache = target.apply(params, block_BW, positions_BW, s.cache)
+    if width == 1:  # no drafts, nothing to reject
+      logits_BV = process_logits(logits_BWV[:, 0], sampling, ctx.history)
+      num_accepted_B, next_B = jnp.zeros_like(s.pending_B), sample(verify_key, logits_BV, sampling)
+    else:
+      logits_BWV = process_logits(logits_BWV, sampling, None if ctx.history is None
+                                  else ctx.history.along_chain(block_BW))
+      probs = None if probs_BGV is None else probs_BGV[:, :width - 1]
+      num_accepted_B, next_B = verify_admitted(
+          verifier, drafts_BG[:, :width - 1], probs, logits_BWV, sampling, verify_key,
+          jnp.minimum(admitted_B, width - 1))
+    hidden_BG1D = jnp.pad(hidden_BWD, ((0, 0), (0, gamma + 1 - width), (0, 0)))  # never read
+    new = commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
+                       budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
+                       draft_state=draft_state, draft_tokens_BG=drafts_BG,
+                       num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
+                       # rows whose logits were not finite stop there, failed
+                       num_finite_B=finite_prefix(nonfinite_rows(logits_BWV)))
+    return new if plain_only else (new, num_accepted_B)
+
+
+def round_inputs(s, sampling: SamplingConfig, eos_id):
+  """-> (DraftContext, next round's key, draft key, verify key) of the state a round starts
+  from (the keys split as speculative_round splits them)."""
+  key, draft_key, verify_key = jax.random.split(s.key, 3)
+  history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
+  return DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, history), key, draft_key, verify_key
 
 
 def _adaptive_program_class():

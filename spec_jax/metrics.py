@@ -31,7 +31,10 @@ class AdaptiveStats:
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32))
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
-             learning_rate: float, schedule: bool, probe_every: int) -> "AdaptiveStats":
+             learning_rate: float, schedule: bool, probe_every: int,
+             rounds=1, plain_row_rounds=None) -> "AdaptiveStats":
+    """After a drafted round, or after `rounds` plain steps run without drafting, in which
+    rows were active `plain_row_rounds` times in all (each admitted nothing)."""
     gamma = self.estimate_BG.shape[1]
     j_G = jnp.arange(gamma)[None, :]
     seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (
@@ -52,11 +55,15 @@ class AdaptiveStats:
     active_i = active_B.astype(jnp.int32)
     return self.replace(
         gamma_B=gamma_B, estimate_BG=estimate_BG,
-        idle_rounds=jnp.where(drafted, 0, self.idle_rounds + 1), probe_interval=interval,
-        width_rounds_W=self.width_rounds_W.at[width_idx].add(1),
-        undrafted_rounds=self.undrafted_rounds + (~drafted).astype(jnp.int32),
-        admitted_hist_G1=self.admitted_hist_G1 + jnp.sum(
-            jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None], axis=0),
+        idle_rounds=jnp.where(drafted, 0, self.idle_rounds + rounds), probe_interval=interval,
+        width_rounds_W=self.width_rounds_W.at[width_idx].add(rounds),
+        undrafted_rounds=self.undrafted_rounds + (~drafted).astype(jnp.int32) * rounds,
+        admitted_hist_G1=self.admitted_hist_G1 + jnp.where(
+            drafted | (plain_row_rounds is None),
+            jnp.sum(jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None],
+                    axis=0),
+            jnp.zeros(gamma + 1, jnp.int32).at[0].set(
+                0 if plain_row_rounds is None else plain_row_rounds)),
         admitted_B=self.admitted_B + admitted_B * active_i)
 
 
