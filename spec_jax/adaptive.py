@@ -273,16 +273,16 @@ class AdaptiveRound:
 
       steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
                                                 one, (jnp.int32(0), jnp.int32(0), s))
-      return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds
+      return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
 
     draft_now = worth_drafting(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
                                cost_G1, draft_cost, rules) | probe
-    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds = jax.lax.cond(
+    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = jax.lax.cond(
         draft_now, drafted_round, plain_steps, s)
     stats = stats.update(~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
                          learning_rate=rules.learning_rate, schedule=rules.schedule,
                          probe_every=rules.probe_every, rounds=steps,
-                         plain_row_rounds=plain_row_rounds)
+                         plain_row_rounds=plain_row_rounds, empty_B=empty_B)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def drafted_round(self, step, drafter, gamma, sampling, draft_params, eos_id, cost_G1, probe,
@@ -292,6 +292,10 @@ class AdaptiveRound:
     stats: AdaptiveStats = s.metrics.adaptive
     active_B = ~s.done_B
     ctx, _, draft_key, _ = round_inputs(s, sampling, eos_id)
+    if rules.schedule and rules.admit is None:
+      # nothing past the longest schedule is admitted: drafters may stop there (a draft
+      # model's sequential steps are most of a round's drafting cost)
+      ctx = ctx.replace(max_drafts=jnp.max(jnp.where(active_B, stats.gamma_B, 1)))
     drafts_BG, probs_BGV, draft_state = drafter.propose(draft_params, s.draft_state, ctx, gamma,
                                                         sampling, draft_key)
     if probs_BGV is None:
@@ -317,7 +321,8 @@ class AdaptiveRound:
                 for w in cfg.widths]
     w_idx = width_index(cfg.widths, jnp.max(admitted_B))  # 0, a plain step, when none
     new, num_accepted_B = jax.lax.switch(w_idx, branches, s)
-    return new, admitted_B, num_accepted_B, w_idx, jnp.int32(1), jnp.int32(0)
+    empty_B = jnp.zeros_like(active_B) if empty_B is None else empty_B
+    return new, admitted_B, num_accepted_B, w_idx, jnp.int32(1), jnp.int32(0), empty_B
 
   @staticmethod
   def step(target, drafter, gamma, sampling, verifier, params, draft_params, lengths_B, budget_B,

@@ -32,13 +32,15 @@ class AdaptiveStats:
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int,
-             rounds=1, plain_row_rounds=None) -> "AdaptiveStats":
+             rounds=1, plain_row_rounds=None, empty_B=None) -> "AdaptiveStats":
     """After a drafted round, or after `rounds` plain steps run without drafting, in which
     rows were active `plain_row_rounds` times in all (each admitted nothing)."""
     gamma = self.estimate_BG.shape[1]
     j_G = jnp.arange(gamma)[None, :]
     seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (
         j_G <= num_accepted_B[:, None])
+    if empty_B is not None:  # a row the drafter had nothing for: its first draft missed
+      seen_BG |= (drafted & active_B & empty_B)[:, None] & (j_G == 0)
     hit_BG = (j_G < num_accepted_B[:, None]).astype(jnp.float32)
     estimate_BG = jnp.where(seen_BG, self.estimate_BG + learning_rate * (hit_BG - self.estimate_BG),
                             self.estimate_BG)

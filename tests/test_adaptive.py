@@ -195,3 +195,29 @@ def test_bad_widths_are_refused():
   for widths in [(2, 3, 9), (1, 3, 2, 9), (1, 2, 5)]:
     with pytest.raises(ValueError, match="widths"):
       AdaptiveConfig(8, widths=widths).resolved()
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9)])
+def test_drafting_stops_at_max_drafts_with_the_same_drafts(sampling):
+  # DraftContext.max_drafts: the while_loop that stops there draws exactly the scan's first
+  # drafts (same keys), and leaves the rest 0 (never verified)
+  from spec_jax.drafters.common import autoregressive_drafts
+  table_VV = jax.random.normal(jax.random.key(3), (11, 11)) * 2
+
+  def step(carry, token_B, offset):
+    return carry + 1, table_VV[token_B] + carry
+
+  first_BV = jax.random.normal(jax.random.key(4), (3, 11))
+  key = jax.random.key(5)
+  full = autoregressive_drafts(step, jnp.float32(0), first_BV, 6, sampling, key)
+  for limit in (1, 2, 6, 9):
+    got = autoregressive_drafts(step, jnp.float32(0), first_BV, 6, sampling, key,
+                                limit=jnp.int32(limit))
+    m = min(limit, 6)
+    np.testing.assert_array_equal(got[0][:, :m], full[0][:, :m])
+    assert not np.asarray(got[0][:, m:]).any()
+    assert float(got[2]) == m - 1  # the step ran once per draft after the first
+    if sampling.is_greedy:
+      assert got[1] is None
+    else:
+      np.testing.assert_array_equal(got[1][:, :m], full[1][:, :m])

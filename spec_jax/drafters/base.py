@@ -58,6 +58,10 @@ class DraftContext:
   # when the sampling settings process nothing. Drafts drawn from processed logits are
   # accepted more often; the verifier stays exact either way (it gets the q drawn from).
   history: TokenHistory | None = None
+  # [] int32, or None: drafts past this many will not be verified this round (the adaptive
+  # rounds' schedule, from past rounds only). A drafter may stop drafting there, as if gamma
+  # were this (autoregressive_drafts does); what it returns past it is never read.
+  max_drafts: jax.Array | None = None
 
 
 @struct.dataclass

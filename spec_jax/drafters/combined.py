@@ -73,7 +73,8 @@ class ResyncDraftModelDrafter(DraftModelDrafter):
       return cache, logits_B1V[:, 0]
 
     tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_BWV[:, -1], gamma,
-                                                        sampling, key, ctx.history)
+                                                        sampling, key, ctx.history,
+                                                        ctx.max_drafts)
     return tokens_BG, probs_BGV, DraftModelState(cache)
 
   def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:

@@ -28,8 +28,11 @@ def draw(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig,
 def autoregressive_drafts(step: Callable[[Any, jax.Array, jax.Array], tuple[Any, jax.Array]],
                           carry, first_logits_BV: jax.Array, gamma: int,
                           sampling: SamplingConfig, key: jax.Array,
-                          history: TokenHistory | None = None):
+                          history: TokenHistory | None = None, limit: jax.Array | None = None):
   """Draws d_1 from `first_logits_BV`, then d_2..d_gamma in a lax.scan.
+
+  `limit` ([] int, DraftContext.max_drafts): drafts past it will not be verified, so a
+  while_loop stops there, as if gamma were `limit`; the tokens past it are 0 (probs 0).
 
   `step(carry, token_B, offset) -> (carry, logits_BV)` feeds draft `offset` (1-based) to the
   drafter and returns its logits for the next one. Each draft is drawn from its own warped
@@ -40,6 +43,10 @@ def autoregressive_drafts(step: Callable[[Any, jax.Array, jax.Array], tuple[Any,
   keys = jax.random.split(key, gamma)
   first_B, first_probs_BV = draw(keys[0], first_logits_BV, sampling, history)
   history = None if history is None else history.push(first_B)
+
+  if limit is not None:
+    return _drafts_up_to(step, carry, first_B, first_probs_BV, gamma, sampling, keys, history,
+                         jnp.clip(limit, 1, gamma))
 
   def scan_step(state, inputs):
     carry, token_B, history = state
@@ -56,6 +63,30 @@ def autoregressive_drafts(step: Callable[[Any, jax.Array, jax.Array], tuple[Any,
   if not sampling.is_greedy:
     probs_BGV = jnp.concatenate([first_probs_BV[:, None], rest_probs_GBV.transpose(1, 0, 2)], 1)
   return tokens_BG, probs_BGV, carry
+
+
+def _drafts_up_to(step, carry, first_B, first_probs_BV, gamma, sampling, keys, history, limit):
+  """autoregressive_drafts' scan as a while_loop over offsets 1..limit-1 (same keys, so the
+  same drafts as the scan up to the limit)."""
+  batch = first_B.shape[0]
+  tokens_GB = jnp.zeros((gamma, batch), jnp.int32).at[0].set(first_B)
+  probs_GBV = None
+  if first_probs_BV is not None:
+    probs_GBV = jnp.zeros((gamma, *first_probs_BV.shape), first_probs_BV.dtype)
+    probs_GBV = probs_GBV.at[0].set(first_probs_BV)
+
+  def body(c):
+    offset, carry, token_B, history, tokens_GB, probs_GBV = c
+    carry, logits_BV = step(carry, token_B, offset)
+    next_B, probs_BV = draw(keys[offset], logits_BV, sampling, history)
+    history = None if history is None else history.push(next_B)
+    tokens_GB = tokens_GB.at[offset].set(next_B)
+    probs_GBV = None if probs_GBV is None else probs_GBV.at[offset].set(probs_BV)
+    return offset + 1, carry, next_B, history, tokens_GB, probs_GBV
+
+  _, carry, _, _, tokens_GB, probs_GBV = jax.lax.while_loop(
+      lambda c: c[0] < limit, body, (jnp.int32(1), carry, first_B, history, tokens_GB, probs_GBV))
+  return tokens_GB.T, None if probs_GBV is None else probs_GBV.transpose(1, 0, 2), carry
 
 
 def tree_log_probs(logits_NV: jax.Array, sampling: SamplingConfig,

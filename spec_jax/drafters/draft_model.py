@@ -64,7 +64,8 @@ class DraftModelDrafter(Drafter):
       return cache, logits_B1V[:, 0]
 
     tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_B2V[:, 1], gamma,
-                                                        sampling, key, ctx.history)
+                                                        sampling, key, ctx.history,
+                                                        ctx.max_drafts)
     return tokens_BG, probs_BGV, DraftModelState(cache)
 
   def catch_up(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,

@@ -100,7 +100,8 @@ class EagleDrafter(Drafter):
       return (cache, feat_B1D[:, 0]), logits_B1V[:, 0]
 
     tokens_BG, probs_BGV, (cache, _) = autoregressive_drafts(
-        step, (cache, root_feat_BD), root_logits_BV, gamma, sampling, key, ctx.history)
+        step, (cache, root_feat_BD), root_logits_BV, gamma, sampling, key, ctx.history,
+        ctx.max_drafts)
     return tokens_BG, probs_BGV, EagleState(cache.with_length(pos_B), state.features_BSD)
 
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
