@@ -303,8 +303,8 @@ class AdaptiveRound:
     else:
       q_BG = jnp.take_along_axis(probs_BGV, drafts_BG[..., None], axis=-1)[..., 0]
       top_BG = jnp.max(probs_BGV, axis=-1)
-    conf_BG = drafter.acceptance_estimates(draft_state)
-    conf_BG = top_BG if conf_BG is None else conf_BG.astype(jnp.float32)
+    conf_BG = drafter.acceptance_estimates(draft_state)  # may be wider than gamma
+    conf_BG = top_BG if conf_BG is None else conf_BG[:, :gamma].astype(jnp.float32)
     survival_BG = jnp.cumprod(jnp.minimum(conf_BG, stats.estimate_BG), axis=1)
     inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)
     admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)

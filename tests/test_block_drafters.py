@@ -90,6 +90,34 @@ def test_greedy_identity(tiny_target, kind, gamma):
   assert summarize(out.metrics)["mean_accepted"] > 0.05  # some drafts were accepted
 
 
+def test_adaptive_rounds_read_dspark_confidences(tiny_target):
+  # gamma="auto" truncates DSpark's blocks with its confidence head: greedy output unchanged,
+  # and confidences of 0 (a head that expects every draft to fail) admit nothing but probes
+  from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
+  from spec_jax.engine import speculate
+  target, tp = tiny_target
+  spec, own = _random_drafter("dspark", target)
+  prompts = pad_prompts(PROMPTS)
+  reference = generate(target, tp, *prompts, max_new_tokens=24, eos_id=0)
+  draft_params = spec.draft_params(own, target, tp)
+  config = AdaptiveConfig(DRAFTS, target_costs=(1.0, 1.0, 1.0), draft_cost=0.0)
+  out = speculate(target, tp, spec.drafter, draft_params, *prompts, gamma=config,
+                  max_new_tokens=24, eos_id=0)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert summarize(out.metrics)["adaptive"]["mean_admitted"] > 0
+
+  class Doubtful(type(spec.drafter)):
+    def acceptance_estimates(self, state):
+      return jnp.zeros_like(super().acceptance_estimates(state))
+
+  doubtful = Doubtful(spec.drafter.model)
+  out = speculate(target, tp, doubtful, draft_params, *prompts, gamma=config, max_new_tokens=24,
+                  eos_id=0)
+  assert np.array_equal(out.tokens, reference.tokens)
+  a = summarize(out.metrics)["adaptive"]
+  assert a["admitted_hist"][0] > 0.8 * sum(a["admitted_hist"])  # probes admit 1, nothing else
+
+
 _JOINTS: dict = {}  # exact_joint runs eagerly (slow): once per sampling setting
 
 

@@ -125,6 +125,11 @@ class DSparkDrafter(DFlashDrafter):
     """[B, block - 1]: c_j of the drafts the last `propose` returned (column j-1)."""
     return state.confidence_BJ
 
+  def acceptance_estimates(self, state: DSparkState) -> jax.Array:
+    # c_j reads h_j and the previous draft x_{j-1}, never x_j: known before x_j is drawn, as
+    # the adaptive rounds' lossless condition asks (columns past gamma are zeros, unread)
+    return state.confidence_BJ
+
   def propose(self, params: HeadParams, state: DSparkState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     h_BKD = self.model.draft_hidden(params, ctx.pending_B, ctx.position_B, state.cache)
