@@ -181,9 +181,9 @@ def dspark_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "ce",
 
 
 def _new_model(target, sizes: DrafterSizes):
-  overrides = {} if sizes.hidden is None else {"hidden_dim": sizes.hidden}
   return DSparkModel(DSparkConfig.for_target(target.config, layers=sizes.layers,
-                                             block_size=sizes.num_heads + 1, **overrides))
+                                             block_size=sizes.num_heads + 1,
+                                             **sizes.layer_overrides()))
 
 
 register(DrafterFamily(

@@ -179,8 +179,7 @@ def eagle_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl",
 
 
 def _new_model(target, sizes: DrafterSizes):
-  overrides = {} if sizes.hidden is None else {"hidden_dim": sizes.hidden}
-  return EagleModel(EagleConfig.for_target(target.config, **overrides))
+  return EagleModel(EagleConfig.for_target(target.config, **sizes.layer_overrides()))
 
 
 register(DrafterFamily(

@@ -239,8 +239,8 @@ def mtp_loss(model, params, t: TargetOutputs, rng=None, *, token: str = "kl"):
 
 
 def _new_model(target, sizes: DrafterSizes):
-  overrides = {} if sizes.hidden is None else {"hidden_dim": sizes.hidden}
-  return MTPModel(MTPConfig.for_target(target.config, sizes.num_heads, **overrides))
+  return MTPModel(MTPConfig.for_target(target.config, sizes.num_heads,
+                                       **sizes.layer_overrides()))
 
 
 register(DrafterFamily(

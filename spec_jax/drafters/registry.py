@@ -66,6 +66,10 @@ class DrafterSizes:
   layers: int = 1  # draft model layers
   hidden: int | None = None  # MLP width (default: the family's)
 
+  def layer_overrides(self) -> dict:
+    """LlamaConfig fields a family's layers take from these sizes (the MLP width, if set)."""
+    return {} if self.hidden is None else {"hidden_dim": self.hidden}
+
 
 @dataclasses.dataclass(frozen=True)
 class Trained:
