@@ -4,9 +4,11 @@
 runs this round instead of the fixed-gamma one. The drafter proposes up to gamma_max tokens
 per row; stopping rules truncate each row's block to its *admitted* length; a scheduler
 picks, per round, one of a few compiled verification widths (`lax.switch`; a width of 1 is
-the plain one-token step); before drafting, a round whose drafts would not pay under the
-acceptance estimates skips drafting and runs one plain step. One jit, fixed shapes, no host
-round trips: every decision is data.
+the plain one-token step). Before drafting, the estimates from past rounds plan how many
+drafts pay for their draft and verification cost (`planned_drafts`; autoregressive
+drafters stop there, DraftContext.max_drafts); when none do, the round runs plain steps in
+an inner loop until the next probe. One jit, fixed shapes, no host round trips: every
+decision is data.
 
 THE LOSSLESS CONDITION. Verifying only an admitted prefix of length m (accept at most m,
 then draw the correction from the residual at the first rejection, or the bonus from the
@@ -207,9 +209,14 @@ def schedule_length(survival_BG, admitted_B, active_B, cost_G1) -> jax.Array:
   return jnp.minimum(_leading(keep_G[None])[0], jnp.max(jnp.where(active_B, admitted_B, 0)))
 
 
-def worth_drafting(prior_BG, gamma_B, active_B, cost_G1, draft_cost, rules) -> jax.Array:
-  """[] bool, from past rounds only: would the best length pay for drafting under the
-  current estimates (survival = product of the rows' estimates, within their schedule)?"""
+def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost, rules) -> jax.Array:
+  """[] int32, from past rounds only: how many drafts to make this round, 0 for none.
+
+  The length m that maximises expected tokens per second under the current estimates
+  (survival = product of the rows' estimates, within their schedules), charging the target
+  pass at m drafts plus m / gamma_max of the measured draft cost (a propose of gamma_max);
+  0 when no length beats a plain step. Decided before anything is drawn, it is a lossless
+  stopping point for every row."""
   gamma = prior_BG.shape[1]
   survival_BG = jnp.cumprod(prior_BG, axis=1)
   ok_BG = survival_BG >= rules.survival
@@ -218,8 +225,10 @@ def worth_drafting(prior_BG, gamma_B, active_B, cost_G1, draft_cost, rules) -> j
   ok_BG = jnp.cumprod(ok_BG.astype(jnp.int32), axis=1).astype(bool) & active_B[:, None]
   tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
       [jnp.zeros(1), jnp.cumsum(jnp.sum(jnp.where(ok_BG, survival_BG, 0.0), axis=0))])
-  rate_G = tokens_G1[1:] / (cost_G1[1:] + draft_cost)
-  return jnp.max(rate_G) > tokens_G1[0] / cost_G1[0]
+  drafts_G = jnp.arange(1, gamma + 1, dtype=jnp.float32)
+  rate_G = tokens_G1[1:] / (cost_G1[1:] + draft_cost * drafts_G / gamma)
+  best = jnp.argmax(rate_G).astype(jnp.int32) + 1
+  return jnp.where(rate_G[best - 1] > tokens_G1[0] / cost_G1[0], best, 0)
 
 
 def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key,
@@ -257,7 +266,7 @@ class AdaptiveRound:
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, draft_params, eos_id, cost_G1,
-                                probe, s)
+                                probe, planned, s)
 
     def plain_steps(s):
       # Nobody's draft pays: plain steps up to the next probe (at most probe_every), in an
@@ -275,8 +284,10 @@ class AdaptiveRound:
                                                 one, (jnp.int32(0), jnp.int32(0), s))
       return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
 
-    draft_now = worth_drafting(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
-                               cost_G1, draft_cost, rules) | probe
+    planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
+                             cost_G1, draft_cost, rules)
+    planned = jnp.where(probe, jnp.maximum(planned, 1), planned)
+    draft_now = planned > 0
     new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = jax.lax.cond(
         draft_now, drafted_round, plain_steps, s)
     stats = stats.update(~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
@@ -286,16 +297,16 @@ class AdaptiveRound:
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def drafted_round(self, step, drafter, gamma, sampling, draft_params, eos_id, cost_G1, probe,
-                    s):
+                    planned, s):
     """Drafts gamma_max, admits a prefix per row, verifies at the width the scheduler picks."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     active_B = ~s.done_B
     ctx, _, draft_key, _ = round_inputs(s, sampling, eos_id)
-    if rules.schedule and rules.admit is None:
-      # nothing past the longest schedule is admitted: drafters may stop there (a draft
+    if rules.admit is None:
+      # nothing past the planned length is admitted: drafters may stop there (a draft
       # model's sequential steps are most of a round's drafting cost)
-      ctx = ctx.replace(max_drafts=jnp.max(jnp.where(active_B, stats.gamma_B, 1)))
+      ctx = ctx.replace(max_drafts=planned)
     drafts_BG, probs_BGV, draft_state = drafter.propose(draft_params, s.draft_state, ctx, gamma,
                                                         sampling, draft_key)
     if probs_BGV is None:
@@ -313,6 +324,8 @@ class AdaptiveRound:
     if empty_B is not None:
       admitted_B = jnp.where(empty_B, 0, admitted_B)
     admitted_B = jnp.where(active_B, admitted_B, 0)
+    if rules.admit is None:
+      admitted_B = jnp.minimum(admitted_B, planned)
     k = schedule_length(survival_BG, admitted_B, active_B, cost_G1)
     k = jnp.where(probe, jnp.max(admitted_B), k)
     admitted_B = jnp.minimum(admitted_B, k)
