@@ -94,6 +94,8 @@ def test_quick_benchmark_scenario_contents(quick_run):
     assert all(r["identical"] is True for r in rows), "greedy speculative must equal autoregressive"
     sanity = [r for r in rows if "target itself" in r["label"]]
     assert all(r["acceptance_rate"] == 1.0 for r in sanity)
+    auto = [r for r in rows if r["gamma"] == "auto"]  # the quick plan: prompt lookup's
+    assert len(auto) == 1 and auto[0]["speedup"] > 0
   spec = [r for r in _ok_rows(s["3"]) if r["method"] == "speculative"]
   assert spec
   for row in spec:

@@ -144,11 +144,14 @@ def plot_speedup(results: dict, path: Path, keys) -> None:
   for ax, (title, rows) in zip(axes, panels):
     for name in dict.fromkeys(r["drafter"] for r in rows):
       pts = sorted((r["gamma"], r["speedup"], r.get("predicted_speedup")) for r in rows
-                   if r["drafter"] == name)
+                   if r["drafter"] == name and isinstance(r["gamma"], int))
       line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
-      if all(p[2] is not None for p in pts):
+      if pts and all(p[2] is not None for p in pts):
         ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=line.get_color(),
                 label=f"{name}: predicted")
+      for r in rows:  # gamma="auto" picks its own lengths: a level line across the gammas
+        if r["drafter"] == name and r["gamma"] == "auto":
+          ax.axhline(r["speedup"], ls=":", color=line.get_color(), label=f"{name}: auto")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(title=title, xlabel="gamma", ylabel="speed-up vs autoregressive")
     ax.legend(fontsize=6)
@@ -160,7 +163,7 @@ def plot_accepted(results: dict, path: Path, keys) -> None:
   panels = plot_groups(results, keys)
   fig, axes = _panels_figure(panels)
   for ax, (title, rows) in zip(axes, panels):
-    gamma = max(r["gamma"] for r in rows)
+    gamma = max((r["gamma"] for r in rows if isinstance(r["gamma"], int)), default=0)
     rows = [r for r in rows if r["gamma"] == gamma and r.get("accept_hist")]
     width = 0.8 / max(1, len(rows))
     for i, r in enumerate(rows):

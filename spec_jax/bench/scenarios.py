@@ -55,6 +55,8 @@ class Plan:
   compile_workers: int = 1  # >1 compiles in threads: faster, but each compile_s is contended
   s1_batches: tuple[int, ...] = (1, 16)
   s1_gammas: tuple[int, ...] = (2, 4, 6)
+  # drafters (row labels' starts) that also get a gamma="auto" row; None: every drafter
+  s1_auto: tuple[str, ...] | None = None
   s1_new: int = 128
   s2_gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
   s2_prompts: int = 6
@@ -87,7 +89,8 @@ class Plan:
 
 
 QUICK = Plan(
-    repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16, s2_gammas=(3,),
+    repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16,
+    s1_auto=("prompt lookup",), s2_gammas=(3,),
     s2_prompts=2, s2_new=16,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
@@ -157,7 +160,8 @@ def stories260k(plan: Plan, ctx: dict) -> dict:
   tokenizer = load_tokenizer(str(STORIES_DIR / "tok512.bin"))
   prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
   width = pad_width(prompts, plan.prompt_width)
-  cache_len = width + plan.s1_new + max(plan.s1_gammas) + 1
+  from spec_jax.adaptive import DEFAULT_GAMMA_MAX
+  cache_len = width + plan.s1_new + max(*plan.s1_gammas, DEFAULT_GAMMA_MAX) + 1
   drafters, notes = [], []
   for label, kind, opts in stories_drafters(model, params):
     try:
@@ -173,6 +177,10 @@ def stories260k(plan: Plan, ctx: dict) -> dict:
     cases += [spec_case(model, params, d, dp, gamma=g, label=f"{label}, gamma {g}",
                         drafter=label, kind=kind, **common)
               for label, kind, d, dp in drafters for g in plan.s1_gammas]
+    cases += [spec_case(model, params, d, dp, gamma="auto", label=f"{label}, gamma auto",
+                        drafter=label, kind=kind, **common)
+              for label, kind, d, dp in drafters
+              if plan.s1_auto is None or label.startswith(plan.s1_auto)]
     records, outs, group = run_group(cases, [measured], [check], **group_kw(plan, f"S1 b{batch}"))
     rows += finish_rows(records, outs, "autoregressive")
     groups.append({"batch": batch, **group})
