@@ -298,7 +298,8 @@ class AdaptiveRound:
 
   def drafted_round(self, step, drafter, gamma, sampling, draft_params, eos_id, cost_G1, probe,
                     planned, s):
-    """Drafts gamma_max, admits a prefix per row, verifies at the width the scheduler picks."""
+    """Drafts up to `planned`, admits a prefix per row, verifies at the width the scheduler
+    picks."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     active_B = ~s.done_B
