@@ -249,10 +249,10 @@ def test_native_flipped_bytes_in_every_data_file(native_folder, tmp_path):
   shutil.copytree(native_folder, folder)
   files = _data_files(folder)
   assert files, "orbax wrote no ocdbt data files: the layout this test assumes changed"
-  for path in files:
+  for path in files:  # 64 bytes at a quarter, the middle and three quarters of each file
     data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])
+    for at in (len(data) // 4, len(data) // 2, 3 * len(data) // 4):
+      data[at:at + 64] = bytes(b ^ 0x5A for b in data[at:at + 64])
     path.write_bytes(bytes(data))
   # a chunk that no longer decodes, or decodes to other values: either way named as corrupt
   with pytest.raises(CheckpointError, match=r"corrupt"):
