@@ -47,7 +47,7 @@ from flax import struct
 
 from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits, sample
 from spec_jax.drafters.base import DraftContext, Drafter
-from spec_jax.generate import finite_prefix, token_history
+from spec_jax.generate import finite_prefix
 from spec_jax.metrics import AdaptiveStats
 
 DEFAULT_GAMMA_MAX = 8
@@ -218,8 +218,8 @@ def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost, rules) -> j
   gamma_max): half of that measured cost is taken as fixed per call (on stories260K it is
   mostly dispatch), half as growing with m. Charging m / gamma_max alone drafted too often
   with a useless layer skip (0.55x vs 0.69x autoregressive); the whole cost at every m drafted
-  8 to verify 2 with the int8 target (0.29x vs 0.59x). 0 when no length beats a plain step. Decided before anything is drawn, it is a lossless
-  stopping point for every row."""
+  8 to verify 2 with the int8 target (0.29x vs 0.59x). 0 when no length beats a plain step.
+  Decided before anything is drawn, it is a lossless stopping point for every row."""
   gamma = prior_BG.shape[1]
   survival_BG = jnp.cumprod(prior_BG, axis=1)
   ok_BG = survival_BG >= rules.survival
@@ -266,6 +266,9 @@ class AdaptiveRound:
     step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
                              draft_params, lengths_B, budget_B, eos_id)
     probe = stats.idle_rounds >= stats.probe_interval
+    planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
+                             cost_G1, draft_cost, rules)
+    planned = jnp.where(probe, jnp.maximum(planned, 1), planned)
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, draft_params, eos_id, cost_G1,
@@ -280,16 +283,13 @@ class AdaptiveRound:
 
       def one(c):
         i, row_rounds, s = c
-        return i + 1, row_rounds + jnp.sum(~s.done_B), step(s, 1, zeros_B, None, None,
-                                                              draft_state=None)
+        new, _ = step(s, 1, zeros_B, None, None, draft_state=None)
+        return i + 1, row_rounds + jnp.sum(~s.done_B), new
 
       steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
                                                 one, (jnp.int32(0), jnp.int32(0), s))
       return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
 
-    planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
-                             cost_G1, draft_cost, rules)
-    planned = jnp.where(probe, jnp.maximum(planned, 1), planned)
     draft_now = planned > 0
     new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = jax.lax.cond(
         draft_now, drafted_round, plain_steps, s)
@@ -305,6 +305,7 @@ class AdaptiveRound:
     picks."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
+    from spec_jax.speculative import round_inputs  # speculative.py imports this module lazily
     active_B = ~s.done_B
     ctx, _, draft_key, _ = round_inputs(s, sampling, eos_id)
     if rules.admit is None:
@@ -346,11 +347,10 @@ class AdaptiveRound:
            eos_id, s, width, admitted_B, drafts_BG, probs_BGV, *, draft_state):
     """One target pass of `width` tokens (the pending one + width - 1 drafts) and the commit.
     width 1 is a plain step; then, with draft_state None, the drafter catches up itself.
-    -> (new state, num_accepted_B), or just the new state for a plain step without drafts."""
-    from spec_jax.speculative import commit_round  # speculative.py imports this module lazily
+    -> (new state, num_accepted_B)."""
+    from spec_jax.speculative import commit_round, round_inputs  # (imports this module lazily)
     ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id)
-    plain_only = draft_state is None
-    if plain_only:
+    if draft_state is None:
       draft_state = drafter.catch_up(draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
       drafts_BG = jnp.zeros((s.pending_B.shape[0], gamma), jnp.int32)
     block_BW = jnp.concatenate([s.pending_B[:, None], drafts_BG[:, :width - 1]], axis=1)
@@ -373,15 +373,7 @@ class AdaptiveRound:
                        num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
                        # rows whose logits were not finite stop there, failed
                        num_finite_B=finite_prefix(nonfinite_rows(logits_BWV)))
-    return new if plain_only else (new, num_accepted_B)
-
-
-def round_inputs(s, sampling: SamplingConfig, eos_id):
-  """-> (DraftContext, next round's key, draft key, verify key) of the state a round starts
-  from (the keys split as speculative_round splits them)."""
-  key, draft_key, verify_key = jax.random.split(s.key, 3)
-  history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
-  return DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, history), key, draft_key, verify_key
+    return new, num_accepted_B
 
 
 def _adaptive_program_class():

@@ -55,17 +55,17 @@ class AdaptiveStats:
                                           jnp.minimum(2 * self.probe_interval, 64 * probe_every)),
                          self.probe_interval)
     active_i = active_B.astype(jnp.int32)
+    hist_G1 = jnp.sum(jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None],
+                      axis=0)
+    if plain_row_rounds is not None:  # plain steps: every active row admitted 0, each step
+      hist_G1 = jnp.where(drafted, hist_G1,
+                          jnp.zeros(gamma + 1, jnp.int32).at[0].set(plain_row_rounds))
     return self.replace(
         gamma_B=gamma_B, estimate_BG=estimate_BG,
         idle_rounds=jnp.where(drafted, 0, self.idle_rounds + rounds), probe_interval=interval,
         width_rounds_W=self.width_rounds_W.at[width_idx].add(rounds),
         undrafted_rounds=self.undrafted_rounds + (~drafted).astype(jnp.int32) * rounds,
-        admitted_hist_G1=self.admitted_hist_G1 + jnp.where(
-            drafted | (plain_row_rounds is None),
-            jnp.sum(jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None],
-                    axis=0),
-            jnp.zeros(gamma + 1, jnp.int32).at[0].set(
-                0 if plain_row_rounds is None else plain_row_rounds)),
+        admitted_hist_G1=self.admitted_hist_G1 + hist_G1,
         admitted_B=self.admitted_B + admitted_B * active_i)
 
 

@@ -71,13 +71,19 @@ def candidates(draft_tokens_BG, num_accepted_B, next_B):
   return jnp.where(j_G1 < n_B1, drafts_BG1, jnp.where(j_G1 == n_B1, next_B[:, None], 0))
 
 
+def round_inputs(s: SpecState, sampling: SamplingConfig, eos_id):
+  """What every round (chain, tree, adaptive) starts from: -> (its DraftContext, the next
+  round's key, the draft key, the verify key)."""
+  key, draft_key, verify_key = jax.random.split(s.key, 3)
+  history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
+  return DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, history), key, draft_key, verify_key
+
+
 def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: SamplingConfig,
                       verifier, params, draft_params, lengths_B, budget_B, eos_id,
                       s: SpecState) -> SpecState:
-  key, draft_key, verify_key = jax.random.split(s.key, 3)
-  length_B = s.cache.length_B
-  history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
-  ctx = DraftContext(s.seq_BS, length_B, s.pending_B, history)
+  ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id)
+  length_B, history = ctx.position_B, ctx.history
   draft_tokens_BG, draft_probs_BGV, draft_state = drafter.propose(
       draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
 

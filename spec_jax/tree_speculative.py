@@ -20,12 +20,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from spec_jax.drafters.base import DraftContext, TreeDrafter
+from spec_jax.drafters.base import TreeDrafter
 from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
 from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits
-from spec_jax.generate import EosIds, finite_prefix, token_history
-from spec_jax.speculative import SpecState, speculative_jit, commit_round, prepare
+from spec_jax.generate import EosIds, finite_prefix
+from spec_jax.speculative import (SpecState, commit_round, prepare, round_inputs,
+                                  speculative_jit)
 from spec_jax.tree_verify import verify_tree
 
 
@@ -56,10 +57,8 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
                            sampling: SamplingConfig, verifier, params, draft_params, lengths_B,
                            budget_B, eos_id, s: SpecState) -> SpecState:
   """One round over a token tree; the signature of speculative.speculative_round."""
-  key, draft_key, verify_key = jax.random.split(s.key, 3)
-  length_B = s.cache.length_B
-  history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
-  ctx = DraftContext(s.seq_BS, length_B, s.pending_B, history)
+  ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id)
+  length_B, history = ctx.position_B, ctx.history
   tree, draft_state = drafter.propose_tree(draft_params, s.draft_state, ctx, sampling, draft_key)
   if tree.max_depth != max_depth:
     raise ValueError(f"the drafter's tree has max_depth {tree.max_depth}, expected {max_depth}")
