@@ -44,7 +44,7 @@ SCENARIOS = {
     "1": Scenario("stories260K: autoregressive vs every drafter (greedy)", sc.stories260k,
                   plotted=True),
     "2": Scenario("built-in pair on code prompts (greedy, batch 1 per prompt)", sc.builtin_pair,
-                  plotted=True),
+                  sections.builtin_pair, plotted=True),
     "3": Scenario("memory-bound random target, synthetic acceptance (LOSSY, engine only)",
                   sc.synthetic_acceptance, sections.synthetic_acceptance, plotted=True),
     "4": Scenario("against HF transformers (PyTorch CPU, float32, sdpa), greedy, batch 1",

@@ -183,6 +183,7 @@ def run_group(cases: list[Case], measure_sets: list[PromptSet], check_sets: list
   for case, rec in live:
     medians = [float(np.median(t)) for t in times[id(case)]]
     rec["run_s"] = sum(medians)
+    rec["run_s_sets"] = medians  # per measured prompt set (batch 1: per prompt)
     rec["run_s_repeats"] = [sum(r) for r in zip(*times[id(case)])]
     rec["run_s_min"] = sum(min(t) for t in times[id(case)])  # least disturbed by other load
     rec["tokens"] = sum(int(np.asarray(o.num_tokens).sum()) for o in outputs[id(case)])

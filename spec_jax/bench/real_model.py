@@ -65,13 +65,26 @@ REAL_PROMPTS = [  # (kind, user message)
 LAYER_SKIP = 12  # of SmolLM2's 30 layers, for layer_skip and HF's assistant_early_exit
 LOOKUP_GAMMA = 4  # prompt lookup's drafts per round, ours and HF's prompt_lookup_num_tokens
 
-# (row label, make_drafter kind, options, best gamma); trained kinds load the zoo's files
+# (row label, make_drafter kind, options, gamma: the best fixed one, or "auto" for adaptive
+# speculation); trained kinds load the zoo's files
 REAL_DRAFTERS = [
     ("prompt lookup", "prompt_lookup", {}, LOOKUP_GAMMA),
+    ("prompt lookup", "prompt_lookup", {}, "auto"),
     ("EAGLE (trained, int8)", "eagle", {}, 3),
+    ("EAGLE (trained, int8)", "eagle", {}, "auto"),
     ("MTP (trained, int8)", "mtp", {}, 3),
+    (f"layer skip {LAYER_SKIP}/30", "layer_skip", {"num_layers": LAYER_SKIP}, 3),
+    (f"layer skip {LAYER_SKIP}/30", "layer_skip", {"num_layers": LAYER_SKIP}, "auto"),
     (f"lookup + layer skip {LAYER_SKIP}/30", "lookup+layer_skip", {"num_layers": LAYER_SKIP}, 4),
+    (f"lookup + layer skip {LAYER_SKIP}/30", "lookup+layer_skip", {"num_layers": LAYER_SKIP},
+     "auto"),
 ]
+
+
+def drafts_per_round(gamma) -> int:
+  """The most drafts a round verifies: gamma, or adaptive speculation's gamma_max."""
+  from spec_jax.adaptive import DEFAULT_GAMMA_MAX
+  return DEFAULT_GAMMA_MAX if gamma == "auto" else gamma
 
 
 def real_drafters(target, params, labels=None) -> tuple[list, list[str]]:
@@ -79,7 +92,7 @@ def real_drafters(target, params, labels=None) -> tuple[list, list[str]]:
   and notes on the ones skipped (a trained drafter whose file is not there)."""
   from spec_jax.drafters.factory import make_drafter
   from spec_jax.models.zoo import zoo_drafter
-  built, notes = [], []
+  built, notes, made = [], [], {}
   for label, kind, opts, gamma in REAL_DRAFTERS:
     if labels is not None and kind not in labels:
       continue
@@ -89,8 +102,10 @@ def real_drafters(target, params, labels=None) -> tuple[list, list[str]]:
         notes.append(f"skipped {label}: no shipped drafter file")
         continue
       opts = dict(opts, checkpoint=path)
-    drafter, dp = make_drafter(kind, target, params, **opts)
-    built.append((label, kind, drafter, dp, gamma))
+    key = (kind, tuple(sorted(opts.items())))  # fixed and auto rows share one drafter
+    if key not in made:
+      made[key] = make_drafter(kind, target, params, **opts)
+    built.append((label, kind, *made[key], gamma))
   return built, notes
 
 
@@ -122,7 +137,7 @@ def real_model(plan, ctx: dict) -> dict:
   width = pad_width(prompts, plan.prompt_width)
   new = plan.rm_new
   drafters, notes = real_drafters(target, params, plan.rm_drafters)
-  cache_len = width + new + max([g for *_, g in drafters] + [1]) + 1
+  cache_len = width + new + max([drafts_per_round(g) for *_, g in drafters] + [1]) + 1
   other = [tokenizer.encode_chat("Write a Python function that reverses a list.")]
   rows, groups = [], []
   for batch in plan.rm_batches:
@@ -181,6 +196,10 @@ def real_model(plan, ctx: dict) -> dict:
           rec["speedup_vs_hf_plain"] = hf_plain[0]["run_s"] / rec["run_s"]
       if hf_plain and "error" not in hf_plain[0] and rec.get("engine") == "ours":
         rec["over_hf_plain"] = hf_plain[0]["run_s"] / rec["run_s"]
+      if batch == 1 and rec.get("engine") == "ours":  # each prompt alone: the worst one
+        per_prompt = [b / r for b, r in zip(base_rec["run_s_sets"], rec["run_s_sets"])]
+        rec["speedup_per_prompt"] = per_prompt
+        rec["speedup_worst_prompt"] = min(per_prompt)
     rows += records
     groups.append({"batch": batch, **group})
     log(f"[RM b{batch}] " + "; ".join(
@@ -194,6 +213,7 @@ def real_model(plan, ctx: dict) -> dict:
 
 
 RM_COLS = [("row", "label"), ("tok/s", "tokens_per_s"), ("speed-up", "speedup"),
+           ("worst prompt", "speedup_worst_prompt"),
            ("vs HF plain", "over_hf_plain"), ("accepted", "mean_accepted"),
            ("+bonus", "mean_accepted_with_bonus"), ("identical", "identical"),
            ("compile s", "compile_s")]

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from spec_jax.adaptive import DEFAULT_GAMMA_MAX
 from spec_jax.generate import pad_prompts
 from spec_jax.models.llama import LAYOUTS
 from spec_jax.models.params_io import to_layout
@@ -61,6 +62,7 @@ class Plan:
   s2_gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
   s2_prompts: int = 6
   s2_new: int = 128
+  s2_auto: bool = True  # gamma="auto" rows for the draft model and lookup + draft model
   s3_target: dict = dataclasses.field(default_factory=lambda: dict(
       vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8, hidden_dim=2816))
   s3_draft: dict = dataclasses.field(default_factory=lambda: dict(
@@ -91,7 +93,7 @@ class Plan:
 QUICK = Plan(
     repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16,
     s1_auto=("prompt lookup",), s2_gammas=(3,),
-    s2_prompts=2, s2_new=16,
+    s2_prompts=2, s2_new=16, s2_auto=False,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
     s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4, sweep_bytes=2 << 20,
@@ -160,7 +162,6 @@ def stories260k(plan: Plan, ctx: dict) -> dict:
   tokenizer = load_tokenizer(str(STORIES_DIR / "tok512.bin"))
   prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
   width = pad_width(prompts, plan.prompt_width)
-  from spec_jax.adaptive import DEFAULT_GAMMA_MAX
   cache_len = width + plan.s1_new + max(*plan.s1_gammas, DEFAULT_GAMMA_MAX) + 1
   drafters, notes = [], []
   for label, kind, opts in stories_drafters(model, params):
@@ -206,7 +207,7 @@ def builtin_pair(plan: Plan, ctx: dict) -> dict:
   prompts = [tokenizer.encode(p, add_bos=bos) for p in CODE_PROMPTS[:plan.s2_prompts]]
   width = pad_width(prompts, plan.prompt_width)
   pl_gamma = 4 if 4 in plan.s2_gammas else plan.s2_gammas[-1]
-  extra = max(plan.s2_gammas) + 1
+  extra = max(plan.s2_gammas + ((DEFAULT_GAMMA_MAX,) if plan.s2_auto else ())) + 1
   new = max(1, min(plan.s2_new, target.max_seq_len - width - extra,
                    draft.max_seq_len - width - extra))
   cache_len = width + new + extra
@@ -220,6 +221,10 @@ def builtin_pair(plan: Plan, ctx: dict) -> dict:
   cases += [spec_case(target, params, drafter, dp, gamma=g, label=f"draft model, gamma {g}",
                       drafter="draft model (built-in)", kind="draft_model", **common)
             for g in plan.s2_gammas]
+  if plan.s2_auto:
+    cases.append(spec_case(target, params, drafter, dp, gamma="auto",
+                           label="draft model, gamma auto", drafter="draft model (built-in)",
+                           kind="draft_model", **common))
   notes = []
   try:
     pl, pl_params = build_drafter("prompt_lookup", target, params)
@@ -232,12 +237,39 @@ def builtin_pair(plan: Plan, ctx: dict) -> dict:
                            label=f"lookup (n 3..2), else draft model, gamma {pl_gamma}",
                            drafter="prompt lookup + draft model", kind="lookup+draft_model",
                            **common))
+    if plan.s2_auto:
+      cases.append(spec_case(target, params, both, both_params, gamma="auto",
+                             label="lookup (n 3..2), else draft model, gamma auto",
+                             drafter="prompt lookup + draft model", kind="lookup+draft_model",
+                             **common))
   except ImportError as e:
     notes.append(f"skipped prompt lookup: {e}")
   records, outs, group = run_group(cases, measure_sets, check_sets, **group_kw(plan, "S2"))
+  rows = finish_rows(records, outs, "autoregressive")
   return {"status": "ok", "prompts": CODE_PROMPTS[:plan.s2_prompts], "max_new_tokens": new,
           "target_params": param_count(params), "draft_params": param_count(draft_params),
-          "rows": finish_rows(records, outs, "autoregressive"), "groups": [group], "notes": notes}
+          "rows": rows, "per_prompt": auto_vs_best_fixed(rows), "groups": [group],
+          "notes": notes}
+
+
+def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
+  """Per drafter with a gamma="auto" row, per prompt (each prompt is its own measured set):
+  the best fixed gamma's speed-up over autoregressive, auto's, and auto / best."""
+  ok = [r for r in rows if "error" not in r and "run_s_sets" in r]
+  base = next((r for r in ok if r["method"] == "autoregressive"), None)
+  out = []
+  for auto in (r for r in ok if r.get("gamma") == "auto"):
+    fixed = [r for r in ok if r.get("drafter") == auto["drafter"]
+             and isinstance(r.get("gamma"), int)]
+    if base is None or not fixed:
+      continue
+    for i, base_s in enumerate(base["run_s_sets"]):
+      best = min(fixed, key=lambda r: r["run_s_sets"][i])
+      out.append({"drafter": auto["drafter"], "prompt": i, "best_fixed_gamma": best["gamma"],
+                  "best_fixed_speedup": base_s / best["run_s_sets"][i],
+                  "auto_speedup": base_s / auto["run_s_sets"][i],
+                  "auto_over_best": best["run_s_sets"][i] / auto["run_s_sets"][i]})
+  return out
 
 
 # ---- the memory-bound pair, shared by scenarios 3 and 5 ----------------------------------------

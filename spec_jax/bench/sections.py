@@ -67,3 +67,18 @@ def step_roofline(s: dict) -> list[str]:
           + ", ".join(f"{c} matmuls {v * 1e3:.2f} ms"
                       for c, v in zip(sweep["counts"], sweep["s_per_round"]))
           + f": **{sweep['per_matmul_s'] * 1e6:.0f} us per matmul**."]
+
+
+def builtin_pair(s: dict) -> list[str]:
+  """The rows, then per prompt the best fixed gamma against gamma="auto"."""
+  from spec_jax.bench.report import ROW_COLS
+  lines = md_table(s["rows"], ROW_COLS)
+  if s.get("per_prompt"):
+    lines += ["", "Per prompt, speed-up over autoregressive: the best fixed gamma (chosen "
+              "after the fact) against `gamma=\"auto\"` (no tuning).", "",
+              "| drafter | prompt | best fixed gamma | its speed-up | auto | auto / best |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {p['drafter']} | {p['prompt']} | {p['best_fixed_gamma']} | "
+              f"{cell(p['best_fixed_speedup'])} | {cell(p['auto_speedup'])} | "
+              f"{cell(p['auto_over_best'])} |" for p in s["per_prompt"]]
+  return lines
