@@ -18,12 +18,12 @@ import dataclasses
 import jax
 
 from spec_jax import adaptive
-from spec_jax.core.pytree_names import check_params_fit
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters import registry
 from spec_jax.drafters.factory import make_drafter
 from spec_jax.drafters.registry import TreeOptions
-from spec_jax.speculative import SpeculativeProgram, prepare, speculative_jit
+from spec_jax.speculative import (SpeculativeProgram, check_all_params, prepare,
+                                  speculative_jit)
 from spec_jax.tree_speculative import prepare_tree
 from spec_jax.tree_verify import verify_tree
 from spec_jax.verify import verify
@@ -64,13 +64,6 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
                      "tokens it drafts per round")
   return prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B, gamma=gamma,
                  verifier=verifier or verify, **common)
-
-
-def check_all_params(target, params, drafter, draft_params) -> None:
-  """Host-side: the target's and the drafter's params fit their models (BadArgument naming
-  the tensor otherwise), so params of another model never reach the tracer."""
-  check_params_fit(target, params, what="target params")
-  drafter.check_params(draft_params)
 
 
 def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B, *,

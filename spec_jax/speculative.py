@@ -29,6 +29,7 @@ from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                prefill, token_history, tokens_to_emit, write_tokens)
 from spec_jax.core.errors import BadArgument, is_int
 from spec_jax.core.kv_cache import KVCache
+from spec_jax.core.pytree_names import check_params_fit
 from spec_jax.metrics import SpecMetrics
 from spec_jax.core.sampling import (SamplingConfig, TokenCounts, nonfinite_rows, process_logits,
                                     sample)
@@ -241,6 +242,13 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
   return program, (tokens, lengths, budgets, jnp.asarray(eos), jnp.int32(pad_id), key)
 
 
+def check_all_params(target, params, drafter, draft_params) -> None:
+  """Host-side: the target's and the drafter's params fit their models (BadArgument naming
+  the tensor otherwise), so params of another model never reach the tracer."""
+  check_params_fit(target, params, what="target params")
+  drafter.check_params(draft_params)
+
+
 def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_params,
                          prompt_tokens_BP, prompt_lengths_B, *, gamma: int, max_new_tokens: int,
                          sampling: SamplingConfig = SamplingConfig(), eos_id: EosIds = None,
@@ -260,6 +268,7 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
                      gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                      key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                      return_state=return_state, verifier=verifier)
+  check_all_params(target, params, drafter, draft_params)
   program, args = prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B, gamma=gamma,
                           max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                           key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,

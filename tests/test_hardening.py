@@ -426,6 +426,10 @@ def test_params_of_another_model_are_named_before_tracing():
               gamma=2, max_new_tokens=4)
   with pytest.raises(BadArgument, match=r"^params: parameter embed has shape \(32, 8\)"):
     generate(target, draft_params, tokens, lengths, max_new_tokens=4)
+  from spec_jax.speculative import speculative_generate  # the chain entry point too
+  with pytest.raises(BadArgument, match=r"^target params: parameter embed has shape"):
+    speculative_generate(target, draft_params, DraftModelDrafter(draft), draft_params, tokens,
+                         lengths, gamma=2, max_new_tokens=4)
   with pytest.raises(BadArgument, match=r"expected \(primary params, secondary params\)"):
     drafter, _ = make_drafter("lookup+draft_model", target, params, draft_model=draft,
                               draft_params=draft_params)
