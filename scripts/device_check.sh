@@ -45,7 +45,7 @@ bench_builtin() {
 run_tests() {
   # full-precision f32 matmuls: the tests' tolerances are float32's
   JAX_DEFAULT_MATMUL_PRECISION=highest OMP_NUM_THREADS=1 timeout "${TESTS_S:-1800}" \
-    python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-14}" --timeout 400 -rfE 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-14}" --maxprocesses "${WORKERS:-14}" --timeout 400 -rfE 2>&1 \
     | tee "$OUT/pytest.log"
 }
 
