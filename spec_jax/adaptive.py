@@ -47,7 +47,7 @@ from flax import struct
 
 from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits, sample
 from spec_jax.drafters.base import DraftContext, Drafter
-from spec_jax.generate import finite_prefix
+from spec_jax.generate import finite_prefix, token_history, tokens_to_emit, write_tokens
 from spec_jax.metrics import AdaptiveStats
 
 DEFAULT_GAMMA_MAX = 8
@@ -97,12 +97,17 @@ class AdaptiveRules:
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
   """gamma="auto" with its settings. target_costs: seconds of one target pass at each width
-  (same order as widths); draft_cost: seconds of one `propose` of gamma_max drafts. None:
-  `speculate` measures them once (measure_costs), prepare_program uses default_costs."""
+  (same order as widths); draft_cost: seconds of one `propose` of gamma_max drafts;
+  first_draft_cost: of one `propose` told to stop after its first draft (max_drafts 1).
+  Drafting m drafts is charged by the line through the two (a draft model's steps grow with
+  m; a block drafter or lookup costs the same at any m). None: `speculate` measures them
+  once (measure_costs), prepare_program uses default_costs; first_draft_cost alone None: half
+  of draft_cost."""
   gamma_max: int = DEFAULT_GAMMA_MAX
   widths: tuple[int, ...] | None = None
   target_costs: tuple[float, ...] | None = None
   draft_cost: float | None = None
+  first_draft_cost: float | None = None
   rules: AdaptiveRules = AdaptiveRules()
 
   def resolved(self) -> "AdaptiveConfig":
@@ -118,16 +123,32 @@ class AdaptiveConfig:
       check_costs(widths, self.target_costs, 0.0 if self.draft_cost is None else self.draft_cost)
     elif self.draft_cost is not None:
       check_costs(widths, default_costs(widths), self.draft_cost)
+    if self.first_draft_cost is not None:
+      check_costs(widths, default_costs(widths), self.first_draft_cost)
     r = self.rules
     if not 1 <= r.initial_gamma or r.probe_every < 1 or not 0 < r.learning_rate <= 1:
       raise ValueError(f"bad adaptive rules: {r}")
     costs = None if self.target_costs is None else tuple(float(c) for c in self.target_costs)
     return dataclasses.replace(self, gamma_max=int(g), widths=widths, target_costs=costs)
 
-  def cost_table(self) -> tuple[tuple[float, ...], float]:
-    """(target costs per width, draft cost): the supplied or measured ones, else defaults."""
+  def cost_table(self) -> tuple[tuple[float, ...], np.ndarray]:
+    """(target costs per width, [gamma_max] cost of drafting m = 1..gamma_max): the supplied
+    or measured ones, else defaults."""
     costs = default_costs(self.widths) if self.target_costs is None else self.target_costs
-    return costs, float(self.draft_cost or 0.0)
+    return costs, drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost)
+
+
+def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> np.ndarray:
+  """[gamma_max] float32: the cost of a propose that makes m = 1..gamma_max drafts, on the
+  line from `first` (m = 1) to `full` (m = gamma_max). first None: half of full (as if half
+  of a call were fixed); first above full (timing noise of a drafter whose cost does not
+  grow with m): full; gamma_max 1: full."""
+  full = float(full or 0.0)
+  if gamma_max == 1:
+    return np.array([full], np.float32)
+  first = 0.5 * full if first is None else min(float(first), full)
+  m_G = np.arange(1, gamma_max + 1, dtype=np.float32)
+  return (first + (full - first) * (m_G - 1) / (gamma_max - 1)).astype(np.float32)
 
 
 def check_costs(widths, target_costs, draft_cost) -> None:
@@ -209,17 +230,24 @@ def schedule_length(survival_BG, admitted_B, active_B, cost_G1) -> jax.Array:
   return jnp.minimum(_leading(keep_G[None])[0], jnp.max(jnp.where(active_B, admitted_B, 0)))
 
 
-def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost, rules) -> jax.Array:
+def drafting_can_pay(cost_G1, draft_cost_G) -> bool:
+  """Host-side, from the cost table: whether some draft length m beats a plain step's tokens
+  per second when every draft is accepted ((1 + m) tokens for the pass and the drafting)."""
+  m_G = np.arange(1, len(draft_cost_G) + 1)
+  return bool(np.any((1 + m_G) / (cost_G1[1:] + draft_cost_G) > 1 / cost_G1[0]))
+
+
+def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules) -> jax.Array:
   """[] int32, from past rounds only: how many drafts to make this round, 0 for none.
 
   The length m that maximises expected tokens per second under the current estimates
   (survival = product of the rows' estimates, within their schedules), charging the target
-  pass at m drafts plus (1 + m / gamma_max) / 2 of the measured draft cost (a propose of
-  gamma_max): half of that measured cost is taken as fixed per call (on stories260K it is
-  mostly dispatch), half as growing with m. Charging m / gamma_max alone drafted too often
-  with a useless layer skip (0.55x vs 0.69x autoregressive); the whole cost at every m drafted
-  8 to verify 2 with the int8 target (0.29x vs 0.59x). 0 when no length beats a plain step.
-  Decided before anything is drawn, it is a lossless stopping point for every row."""
+  pass at m drafts plus drafting m (draft_cost_G[m - 1], from the cost table's two measured
+  points: see AdaptiveConfig). Charging one cost per call whatever m made a draft model plan
+  too few drafts, or none, where a fixed gamma gained (the built-in pair); charging the whole
+  gamma_max cost at every m made the int8 target draft 8 to verify 2. 0 when no length beats
+  a plain step. Decided before anything is drawn, it is a lossless stopping point for every
+  row."""
   gamma = prior_BG.shape[1]
   survival_BG = jnp.cumprod(prior_BG, axis=1)
   ok_BG = survival_BG >= rules.survival
@@ -228,8 +256,7 @@ def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost, rules) -> j
   ok_BG = jnp.cumprod(ok_BG.astype(jnp.int32), axis=1).astype(bool) & active_B[:, None]
   tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
       [jnp.zeros(1), jnp.cumsum(jnp.sum(jnp.where(ok_BG, survival_BG, 0.0), axis=0))])
-  drafts_G = jnp.arange(1, gamma + 1, dtype=jnp.float32)
-  rate_G = tokens_G1[1:] / (cost_G1[1:] + draft_cost * (0.5 + 0.5 * drafts_G / gamma))
+  rate_G = tokens_G1[1:] / (cost_G1[1:] + jnp.asarray(draft_cost_G))
   best = jnp.argmax(rate_G).astype(jnp.int32) + 1
   return jnp.where(rate_G[best - 1] > tokens_G1[0] / cost_G1[0], best, 0)
 
@@ -261,13 +288,17 @@ class AdaptiveRound:
                params, draft_params, lengths_B, budget_B, eos_id, s):
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
-    costs, draft_cost = cfg.cost_table()
-    cost_G1 = jnp.asarray(cost_of_lengths(cfg.widths, costs))
+    costs, draft_cost_G = cfg.cost_table()
+    cost_np_G1 = cost_of_lengths(cfg.widths, costs)
+    cost_G1 = jnp.asarray(cost_np_G1)
     step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
                              draft_params, lengths_B, budget_B, eos_id)
-    probe = stats.idle_rounds >= stats.probe_interval
+    # no probes where even drafts that were all accepted could not beat a plain step: the
+    # cost table alone (static) rules drafting out, and probing would only pay for drafts
+    probe = (stats.idle_rounds >= stats.probe_interval) & drafting_can_pay(
+        cost_np_G1, draft_cost_G)
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
-                             cost_G1, draft_cost, rules)
+                             cost_G1, draft_cost_G, rules)
     planned = jnp.where(probe, jnp.maximum(planned, 1), planned)
 
     def drafted_round(s):
@@ -277,9 +308,13 @@ class AdaptiveRound:
     def plain_steps(s):
       # Nobody's draft pays: plain steps up to the next probe (at most probe_every), in an
       # inner loop, so that an undrafted stretch costs what autoregressive decoding does and
-      # not a whole round's bookkeeping (two conditionals, the rules) per token.
+      # not a whole round's bookkeeping (two conditionals, the rules) per token. A drafter
+      # that can skip rounds catches up once after the stretch, not in every step.
       n = jnp.clip(stats.probe_interval - stats.idle_rounds, 1, rules.probe_every)
       zeros_B = jnp.zeros_like(s.pending_B)
+      if drafter.skips_rounds:
+        return self.plain_stretch(target, drafter, sampling, params, draft_params, lengths_B,
+                                  budget_B, eos_id, n, s)
 
       def one(c):
         i, row_rounds, s = c
@@ -298,6 +333,46 @@ class AdaptiveRound:
                          probe_every=rules.probe_every, rounds=steps,
                          plain_row_rounds=plain_row_rounds, empty_B=empty_B)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+  def plain_stretch(self, target, drafter, sampling, params, draft_params, lengths_B, budget_B,
+                    eos_id, n, s):
+    """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
+    (one target token, no drafter, no round bookkeeping at gamma_max's shapes), the metrics
+    are added once, and the drafter catches up once at the end (Drafter.catch_up_after).
+    -> plain_steps' tuple."""
+    def one(c):
+      i, active_steps_B, s = c
+      key, step_key = jax.random.split(s.key)
+      logits_B1V, _, cache = target.apply(params, s.pending_B[:, None],
+                                          s.cache.length_B[:, None], s.cache)
+      logits_BV = process_logits(logits_B1V[:, 0], sampling,
+                                 token_history(sampling, s.num_generated_B, eos_id, s.counts))
+      next_B = sample(step_key, logits_BV, sampling)
+      bad_B = ~s.done_B & nonfinite_rows(logits_BV)  # the row stops here, emitting nothing
+      count_B, done_B = tokens_to_emit(next_B[:, None], jnp.ones_like(next_B), s.num_generated_B,
+                                       budget_B, s.done_B | bad_B, eos_id)
+      kept_B = count_B > 0
+      new = s.replace(
+          seq_BS=write_tokens(s.seq_BS, lengths_B + s.num_generated_B, next_B[:, None], count_B),
+          pending_B=jnp.where(kept_B, next_B, s.pending_B),
+          num_generated_B=s.num_generated_B + count_B, done_B=done_B,
+          cache=cache.with_length(cache.length_B + kept_B.astype(jnp.int32)), key=key,
+          failed_B=s.failed_B | bad_B,
+          counts=None if s.counts is None else s.counts.add(next_B[:, None], count_B))
+      return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
+
+    zeros_B = jnp.zeros_like(s.pending_B)
+    steps, active_steps_B, new = jax.lax.while_loop(
+        lambda c: (c[0] < n) & jnp.any(~c[2].done_B), one, (jnp.int32(0), zeros_B, s))
+    from spec_jax.speculative import round_inputs  # (imports this module lazily)
+    ctx = round_inputs(new, sampling, eos_id)[0]
+    new = new.replace(
+        draft_state=drafter.catch_up_after(draft_params, new.draft_state, ctx,
+                                           self.config.rules.probe_every),
+        metrics=new.metrics.after_plain_steps(steps, active_steps_B,
+                                              new.num_generated_B - s.num_generated_B))
+    return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
+            jnp.zeros_like(s.done_B))
 
   def drafted_round(self, step, drafter, gamma, sampling, draft_params, eos_id, cost_G1, probe,
                     planned, s):
@@ -430,8 +505,9 @@ def _seconds(fn, *args, repeats: int) -> float:
 
 
 def measure_costs(program, params, draft_params, args, repeats: int = 5):
-  """Times one target pass at each width and one propose of gamma_max drafts, at this
-  program's batch size and cache length -> (target_costs, draft_cost), in seconds.
+  """Times one target pass at each width and one propose of gamma_max drafts and of one, at
+  this program's batch size and cache length -> (target_costs, draft_cost,
+  first_draft_cost), in seconds.
   Cached per program and batch shape (start-up cost: a few small compiles)."""
   cfg = program.adaptive.resolved()
   tokens_BP, lengths_B, budgets_B, eos, _, key = args
@@ -449,16 +525,18 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
     return target.apply(params, tokens_BW, positions_BW, cache)[0]
 
   @jax.jit
-  def draft_pass(draft_params, s, key):
-    ctx = DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, None)
+  def draft_pass(draft_params, s, key, max_drafts):
+    ctx = DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, None, max_drafts)
     return program.drafter.propose(draft_params, s.draft_state, ctx, cfg.gamma_max,
                                    program.sampling, key)[:2]
 
   costs = tuple(_seconds(functools.partial(target_pass, w), params, state.cache,
                          state.cache.length_B, repeats=repeats) for w in cfg.widths)
-  draft = _seconds(draft_pass, draft_params, state, key, repeats=repeats)
-  _MEASURED[cache_key] = costs, draft
-  return costs, draft
+  # one program for both points (max_drafts is traced): the drafts it stops making
+  draft, first = (_seconds(draft_pass, draft_params, state, key, jnp.int32(m), repeats=repeats)
+                  for m in (cfg.gamma_max, 1))
+  _MEASURED[cache_key] = costs, draft, first
+  return costs, draft, first
 
 
 def with_measured_costs(program, params, draft_params, args):
@@ -466,7 +544,8 @@ def with_measured_costs(program, params, draft_params, args):
   cfg = getattr(program, "adaptive", None)
   if cfg is None or cfg.target_costs is not None:
     return program
-  costs, draft = measure_costs(program, params, draft_params, args)
-  cfg = dataclasses.replace(cfg, target_costs=costs,
-                            draft_cost=draft if cfg.draft_cost is None else cfg.draft_cost)
+  costs, draft, first = measure_costs(program, params, draft_params, args)
+  if cfg.draft_cost is None:
+    cfg = dataclasses.replace(cfg, draft_cost=draft, first_draft_cost=first)
+  cfg = dataclasses.replace(cfg, target_costs=costs)
   return configure(program, cfg)

@@ -87,6 +87,16 @@ class SpecMetrics:
     return cls(z(), jnp.int32(1), z(batch_size), z(batch_size), z(batch_size), z(gamma + 1),
                z(gamma), z(gamma))
 
+  def after_plain_steps(self, steps, active_steps_B, emitted_B) -> "SpecMetrics":
+    """`update` summed over `steps` rounds without drafts (gamma="auto"'s plain steps), in
+    which row b was active active_steps_B[b] times and emitted emitted_B[b] tokens."""
+    row_rounds = jnp.sum(active_steps_B)
+    return self.replace(rounds=self.rounds + steps, target_calls=self.target_calls + steps,
+                        rounds_B=self.rounds_B + active_steps_B,
+                        tokens_B=self.tokens_B + emitted_B,
+                        accept_hist_G1=self.accept_hist_G1.at[0].add(row_rounds),
+                        position_reached_G=self.position_reached_G.at[0].add(row_rounds))
+
   def update(self, active_B, num_accepted_B, emitted_B) -> "SpecMetrics":
     gamma = self.position_reached_G.shape[0]
     active_i = active_B.astype(jnp.int32)

@@ -74,9 +74,25 @@ def test_auto_measures_costs_and_stays_greedy_identical(stories, ragged, monkeyp
   # what it measured (once) is a valid table: a positive time per width and a draft cost;
   # which rounds then draft depends on those times, so no count of them is asserted here
   # (test_undrafted_rounds_when_drafting_never_pays fixes the costs for that)
-  (target_costs, draft_cost), = measured
+  (target_costs, draft_cost, first_draft_cost), = measured
   check_costs(AdaptiveConfig().resolved().widths, target_costs, draft_cost)
-  assert draft_cost > 0
+  assert draft_cost > 0 and first_draft_cost > 0
+
+
+def test_drafting_costs_follow_the_two_measured_points():
+  from spec_jax.adaptive import drafting_costs
+  np.testing.assert_allclose(drafting_costs(8, 8.0, 1.0), np.arange(1, 9))  # a draft model
+  np.testing.assert_allclose(drafting_costs(4, 2.0, 3.0), [2.0] * 4)  # noise above: flat
+  np.testing.assert_allclose(drafting_costs(5, 2.0, None), [1.0, 1.25, 1.5, 1.75, 2.0])
+  np.testing.assert_allclose(drafting_costs(1, 2.0, 0.5), [2.0])
+  with pytest.raises(ValueError, match="draft cost"):
+    AdaptiveConfig(first_draft_cost=float("nan")).resolved()
+  # no probing where even fully accepted drafts would lose to a plain step
+  from spec_jax.adaptive import drafting_can_pay
+  flat_G1 = np.ones(9, np.float32)
+  assert drafting_can_pay(flat_G1, drafting_costs(8, 4.0, None))  # 9 tokens for 5 steps
+  assert not drafting_can_pay(flat_G1, drafting_costs(8, 20.0, 10.0))  # 2 for 11, 9 for 21
+  assert not drafting_can_pay(flat_G1 * [1] + np.arange(9), drafting_costs(8, 0.0, 0.0))
 
 
 def test_fixed_gamma_is_the_same_program(stories):
@@ -181,6 +197,35 @@ def test_undrafted_rounds_when_drafting_never_pays(stories, story_prompts):
   assert np.array_equal(out.tokens, ref.tokens)
   a = summarize(out.metrics)["adaptive"]
   assert a["undrafted_rounds"] > 0.7 * summarize(out.metrics)["rounds"]  # probes only
+
+
+@pytest.mark.parametrize("kind", ["layer_skip", "lookup+layer_skip"])
+def test_draft_cache_is_caught_up_after_plain_stretches(stories, story_prompts, kind):
+  # Plain steps leave a draft model's cache behind and catch it up in one pass afterwards
+  # (Drafter.catch_up_after): at the end it must equal a fresh prefill of the tokens, and the
+  # run must have had such stretches (drafting made expensive) and drafted rounds (probes).
+  from test_speculative import assert_cache_prefix_close
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  budgets = [NEW, 9, NEW, 21, NEW]
+  drafter, draft_params = make_drafter(kind, model, params, num_layers=2, max_ngram=2)
+  assert drafter.skips_rounds
+  cfg = dataclasses.replace(config(probe_every=4), draft_cost=4.0)  # probes only
+  out, _, state = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                            max_new_tokens=NEW, budgets_B=budgets, return_state=True)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW, budgets_B=budgets)
+  assert np.array_equal(out.tokens, ref.tokens)
+  m = summarize(out.metrics)
+  assert 0 < m["adaptive"]["undrafted_rounds"] < m["rounds"], m["adaptive"]
+  cache = state.secondary.cache if kind.startswith("lookup") else state.cache
+  draft = drafter.secondary.model if kind.startswith("lookup") else drafter.model
+  seq = np.asarray(out.sequences)
+  lengths = np.asarray(prompts[1]) + np.asarray(out.num_tokens)
+  positions = np.broadcast_to(np.arange(seq.shape[1], dtype=np.int32), seq.shape)
+  _, _, fresh = draft.apply(params, seq, positions, draft.init_cache(*seq.shape))
+  for row, length in enumerate(np.asarray(cache.length_B)):
+    assert lengths[row] - 2 <= length <= lengths[row], (row, length, lengths[row])
+    assert_cache_prefix_close(cache, fresh, row, length, f"draft cache, row {row}")
 
 
 @pytest.mark.parametrize("costs,draft,match", [

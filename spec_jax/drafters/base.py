@@ -128,6 +128,20 @@ class Drafter:
     drop the drafts; a drafter with a cheaper way to keep its state right overrides this."""
     return self.propose(params, state, ctx, gamma, sampling, key)[2]
 
+  @property
+  def skips_rounds(self) -> bool:
+    """Whether `catch_up_after` can stand in for `catch_up` over a stretch of rounds (below).
+    False by default: the adaptive rounds then call `catch_up` in every undrafted round."""
+    return False
+
+  def catch_up_after(self, params, state, ctx: DraftContext, rounds: int) -> Any:
+    """The state `propose` needs at `ctx`, after at most `rounds` (static) plain target steps
+    in which this drafter was not called at all (no propose, catch_up or commit). Adaptive
+    speculation's plain steps call it once after such a stretch instead of catching up every
+    step: a draft model then feeds the stretch's tokens in one pass instead of one small
+    pass per token. Only for drafters whose `skips_rounds` is True."""
+    raise NotImplementedError(f"{type(self).__name__} does not skip rounds")
+
   def acceptance_estimates(self, state) -> jax.Array | None:
     """[B, gamma] float in [0, 1], from the state `propose` returned: the drafter's estimate
     that draft i is accepted once drafts before it were (e.g. DSpark's confidence head); the

@@ -154,6 +154,15 @@ class FallbackDrafter(Drafter):
                             _q_or_one_hot(tokens_2, probs_2, vocab))
     return tokens_BG, probs_BGV, FallbackState(state_1, state_2)
 
+  @property
+  def skips_rounds(self) -> bool:
+    return self.primary.skips_rounds and self.secondary.skips_rounds
+
+  def catch_up_after(self, params, state: FallbackState, ctx: DraftContext,
+                     rounds: int) -> FallbackState:
+    return FallbackState(self.primary.catch_up_after(params[0], state.primary, ctx, rounds),
+                         self.secondary.catch_up_after(params[1], state.secondary, ctx, rounds))
+
   def commit(self, params, state: FallbackState, outcome: RoundOutcome) -> FallbackState:
     return FallbackState(self.primary.commit(params[0], state.primary, outcome),
                          self.secondary.commit(params[1], state.secondary, outcome))

@@ -78,6 +78,22 @@ class DraftModelDrafter(Drafter):
                                    jnp.stack([pos_B - 1, pos_B], axis=1), state.cache)
     return DraftModelState(cache)
 
+  @property
+  def skips_rounds(self) -> bool:
+    return True
+
+  def catch_up_after(self, params, state: DraftModelState, ctx: DraftContext,
+                     rounds: int) -> DraftModelState:
+    # Before the stretch, slots up to L0 - 2 held (L0: its first pending position); the
+    # stretch added at most `rounds` tokens. Feeding slots L - rounds - 1 .. L - 1 in one pass
+    # leaves every slot before the pending one right; clamped at 0 early on, repeated
+    # (token 0, position 0) entries write the same values.
+    window_BW = jnp.maximum(
+        ctx.position_B[:, None] + jnp.arange(-rounds - 1, 0, dtype=jnp.int32)[None, :], 0)
+    tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
+    _, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
+    return DraftModelState(cache.with_length(ctx.position_B))
+
   def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:
     # Slots L-1 .. L+gamma-1 were written with [prev, pending, d_1..d_{gamma-1}]; those up to
     # the last accepted draft are valid, and never more than the target keeps.

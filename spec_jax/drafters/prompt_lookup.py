@@ -106,6 +106,14 @@ class PromptLookupDrafter(Drafter):
   def empty_rows(self, state: PromptLookupState) -> jax.Array:
     return ~state.found_B
 
+  @property
+  def skips_rounds(self) -> bool:
+    return True  # every proposal searches the row's tokens afresh
+
+  def catch_up_after(self, params, state: PromptLookupState, ctx: DraftContext,
+                     rounds: int) -> PromptLookupState:
+    return state
+
 
 def _build(target, target_params, opts: BuildOptions):
   return PromptLookupDrafter(opts.max_ngram, 1 if opts.min_ngram is None else opts.min_ngram), None
