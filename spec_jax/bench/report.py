@@ -178,6 +178,25 @@ def plot_accepted(results: dict, path: Path, keys) -> None:
   _save(fig, path)
 
 
+def plot_batch_sweep(sweep: dict, path: Path) -> None:
+  """Scenario 7: speed-up over autoregressive against batch size, a line per row (dotted:
+  gamma="auto")."""
+  fig, (ax,) = _panels_figure([("batch sweep", sweep["rows"])])
+  labels = dict.fromkeys(r["label"] for r in sweep["rows"]
+                         if r["method"] != "autoregressive" and "error" not in r)
+  for label in labels:
+    pts = sorted((r["batch"], r["speedup"]) for r in sweep["rows"]
+                 if r["label"] == label and "error" not in r)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], ":o" if label.endswith("auto") else "o-",
+            label=label)
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set(title="built-in pair: speed-up vs batch size", xlabel="batch size",
+         ylabel="speed-up vs autoregressive")
+  ax.legend(fontsize=6)
+  _save(fig, path)
+
+
 def write_reports(results: dict, json_path: Path, *, sections: dict[str, Section] | None = None,
                   plot_keys=()) -> None:
   """results.json, then results.md, then the plots (last: the likeliest to fail) beside it."""
@@ -187,3 +206,6 @@ def write_reports(results: dict, json_path: Path, *, sections: dict[str, Section
   names = list(PLOTS)
   plot_speedup(results, folder / names[0], plot_keys)
   plot_accepted(results, folder / names[1], plot_keys)
+  sweep = results["scenarios"].get("7", {})
+  if sweep.get("status") == "ok":
+    plot_batch_sweep(sweep, folder / "batch_sweep.png")

@@ -24,7 +24,8 @@ def spec_summary(outs) -> dict:
   total = jax.tree.map(lambda *xs: sum(np.asarray(x) for x in xs), *metrics)
   s = summarize(total)
   reached = int(np.asarray(total.position_reached_G).sum())
-  return {"mean_accepted": s["mean_accepted"],
+  adaptive = {"width_rounds": s["adaptive"]["width_rounds"]} if "adaptive" in s else {}
+  return {**adaptive, "mean_accepted": s["mean_accepted"],
           "mean_accepted_with_bonus": s["mean_accepted_with_bonus"],
           "acceptance_rate": s["acceptance_rate"], "accept_hist": s["accept_hist"],
           "position_acceptance": s["position_acceptance"], "rounds": s["rounds"],

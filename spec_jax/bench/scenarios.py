@@ -63,6 +63,10 @@ class Plan:
   s2_prompts: int = 6
   s2_new: int = 128
   s2_auto: bool = True  # gamma="auto" rows for the draft model and lookup + draft model
+  # scenario 7, the batch sweep on the built-in pair: batch sizes, fixed gammas, new tokens
+  sw_batches: tuple[int, ...] = (1, 4, 16, 64)
+  sw_gammas: tuple[int, ...] = (2, 4)
+  sw_new: int = 128
   s3_target: dict = dataclasses.field(default_factory=lambda: dict(
       vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8, hidden_dim=2816))
   s3_draft: dict = dataclasses.field(default_factory=lambda: dict(
@@ -93,7 +97,7 @@ class Plan:
 QUICK = Plan(
     repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16,
     s1_auto=("prompt lookup",), s2_gammas=(3,),
-    s2_prompts=2, s2_new=16, s2_auto=False,
+    s2_prompts=2, s2_new=16, s2_auto=False, sw_batches=(1, 2), sw_gammas=(2,), sw_new=8,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
     s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4, sweep_bytes=2 << 20,
@@ -270,6 +274,48 @@ def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
                   "auto_speedup": base_s / auto["run_s_sets"][i],
                   "auto_over_best": best["run_s_sets"][i] / auto["run_s_sets"][i]})
   return out
+
+
+# ---- scenario 7: the batch sweep ---------------------------------------------------------------
+
+def batch_sweep(plan: Plan, ctx: dict) -> dict:
+  """The built-in pair at each batch size: autoregressive, then the draft model and lookup +
+  draft model at fixed gammas and with gamma="auto" (the code prompts, repeated to fill the
+  batch). Speed-ups over autoregressive at the same batch, and the widths auto chose."""
+  try:
+    from spec_jax.models.builtin import load_builtin
+    target, params, draft, draft_params, tokenizer = load_builtin()
+  except Exception as e:  # noqa: BLE001  e.g. the checkpoint is still being trained
+    return skipped(f"load_builtin() failed: {type(e).__name__}: {e}")
+  target, params = to_layout(target, params, plan.layout)
+  draft, draft_params = to_layout(draft, draft_params, plan.layout)
+  bos = tokenizer.bos_id is not None
+  prompts = [tokenizer.encode(p, add_bos=bos) for p in CODE_PROMPTS]
+  width = pad_width(prompts, plan.prompt_width)
+  extra = max(*plan.sw_gammas, DEFAULT_GAMMA_MAX) + 1
+  new = max(1, min(plan.sw_new, target.max_seq_len - width - extra,
+                   draft.max_seq_len - width - extra))
+  common0 = dict(max_new_tokens=new, cache_len=width + new + extra)
+  drafters = [("draft model (built-in)", "draft_model"),
+              ("prompt lookup + draft model", "lookup+draft_model")]
+  built = [(label, kind) + build_drafter(kind, target, params, draft_model=draft,
+                                         draft_params=draft_params)
+           for label, kind in drafters]
+  rows, groups = [], []
+  for batch in plan.sw_batches:
+    measured, check = prompt_sets(prompts, batch, width)
+    common = dict(common0, batch=batch)
+    cases = [ar_case(target, params, **common)]
+    for label, kind, d, dp in built:
+      cases += [spec_case(target, params, d, dp, gamma=g, label=f"{label}, gamma {g}",
+                          drafter=label, kind=kind, **common)
+                for g in (*plan.sw_gammas, "auto")]
+    records, outs, group = run_group(cases, [measured], [check],
+                                     **group_kw(plan, f"S7 b{batch}"))
+    rows += finish_rows(records, outs, "autoregressive")
+    groups.append({"batch": batch, **group})
+  return {"status": "ok", "max_new_tokens": new, "batches": list(plan.sw_batches),
+          "rows": rows, "groups": groups, "notes": []}
 
 
 # ---- the memory-bound pair, shared by scenarios 3 and 5 ----------------------------------------

@@ -82,3 +82,29 @@ def builtin_pair(s: dict) -> list[str]:
               f"{cell(p['best_fixed_speedup'])} | {cell(p['auto_speedup'])} | "
               f"{cell(p['auto_over_best'])} |" for p in s["per_prompt"]]
   return lines
+
+
+def batch_sweep(s: dict) -> list[str]:
+  """Speed-up over autoregressive by batch size, a row per drafter and gamma, then the widths
+  gamma="auto" chose (rounds at each verification width; width 1: plain steps)."""
+  batches = s["batches"]
+  by = {}
+  for r in s["rows"]:
+    if "error" not in r and r["method"] != "autoregressive":
+      by.setdefault(r["label"], {})[r["batch"]] = r
+  lines = ["Speed-up over autoregressive decoding at the same batch (the plot: "
+           "batch_sweep.png).", "",
+           "| row | " + " | ".join(f"batch {b}" for b in batches) + " |",
+           "|---|" + "---|" * len(batches)]
+  lines += [f"| {label} | " + " | ".join(cell(rs[b]["speedup"]) if b in rs else "-"
+                                         for b in batches) + " |" for label, rs in by.items()]
+  ar = {r["batch"]: r for r in s["rows"] if r["method"] == "autoregressive" and "error" not in r}
+  lines += ["", "Autoregressive tokens/s: " + ", ".join(
+      f"batch {b} {cell(ar[b]['tokens_per_s'])}" for b in batches if b in ar), ""]
+  for label, rs in by.items():
+    if label.endswith("auto"):
+      lines.append(f"- {label}, rounds per width: " + "; ".join(
+          f"batch {b}: {rs[b].get('width_rounds')}" for b in batches if b in rs))
+  errors = [r for r in s["rows"] if "error" in r]
+  return lines + ["", "![speed-up vs batch size](batch_sweep.png)"] + (
+      [""] + md_table(errors, [("row", "label"), ("error", "error")]) if errors else [])
