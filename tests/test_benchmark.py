@@ -242,3 +242,28 @@ def test_a_case_runs_the_program_it_compiled_ahead_of_time():
       compiled = counter.count("generate_jit", "speculative_jit")
       case.run(tokens, lengths)
       assert compiled == 1 == counter.count("generate_jit", "speculative_jit"), case.label
+
+
+def test_batch_sweep_and_auto_tables_from_records(tmp_path):
+  # scenarios 2 and 7 report from their records alone: per-prompt auto vs the best fixed
+  # gamma, speed-ups by batch with the widths auto chose, and the sweep's plot
+  from spec_jax.bench import report, sections
+  from spec_jax.bench.scenarios import auto_vs_best_fixed
+  rows = [{"label": "autoregressive", "method": "autoregressive", "batch": 1,
+           "run_s_sets": [1.0, 2.0], "tokens_per_s": 10.0},
+          {"label": "d, gamma 2", "method": "speculative", "drafter": "d", "gamma": 2,
+           "batch": 1, "run_s_sets": [0.5, 2.5], "speedup": 1.2},
+          {"label": "d, gamma 4", "method": "speculative", "drafter": "d", "gamma": 4,
+           "batch": 1, "run_s_sets": [0.8, 1.0], "speedup": 1.3},
+          {"label": "d, gamma auto", "method": "speculative", "drafter": "d", "gamma": "auto",
+           "batch": 1, "run_s_sets": [0.6, 1.25], "speedup": 1.5,
+           "width_rounds": {"1": 3, "2": 5}}]
+  per_prompt = auto_vs_best_fixed(rows)
+  assert [(p["best_fixed_gamma"], p["auto_over_best"]) for p in per_prompt] == [
+      (2, 0.5 / 0.6), (4, 1.0 / 1.25)]
+  sweep = {"batches": [1, 4], "rows": rows + [dict(r, batch=4, speedup=2.0) for r in rows]}
+  text = "\n".join(sections.batch_sweep(sweep))
+  assert "| d, gamma auto | 1.5 | 2 |" in text, text
+  assert "batch 4: {'1': 3, '2': 5}" in text
+  report.plot_batch_sweep(sweep, tmp_path / "sweep.png")
+  assert (tmp_path / "sweep.png").stat().st_size > 1000
