@@ -67,6 +67,7 @@ class Plan:
   sw_batches: tuple[int, ...] = (1, 4, 16, 64)
   sw_gammas: tuple[int, ...] = (2, 4)
   sw_new: int = 128
+  sw_kinds: tuple[str, ...] = ("draft_model", "lookup+draft_model")
   s3_target: dict = dataclasses.field(default_factory=lambda: dict(
       vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8, hidden_dim=2816))
   s3_draft: dict = dataclasses.field(default_factory=lambda: dict(
@@ -300,7 +301,7 @@ def batch_sweep(plan: Plan, ctx: dict) -> dict:
               ("prompt lookup + draft model", "lookup+draft_model")]
   built = [(label, kind) + build_drafter(kind, target, params, draft_model=draft,
                                          draft_params=draft_params)
-           for label, kind in drafters]
+           for label, kind in drafters if kind in plan.sw_kinds]
   rows, groups = [], []
   for batch in plan.sw_batches:
     measured, check = prompt_sets(prompts, batch, width)
