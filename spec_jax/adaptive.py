@@ -47,7 +47,7 @@ from flax import struct
 
 from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits, sample
 from spec_jax.drafters.base import DraftContext, Drafter
-from spec_jax.generate import finite_prefix, token_history, tokens_to_emit, write_tokens
+from spec_jax.generate import decode_token, finite_prefix
 from spec_jax.metrics import AdaptiveStats
 
 DEFAULT_GAMMA_MAX = 8
@@ -343,22 +343,14 @@ class AdaptiveRound:
     def one(c):
       i, active_steps_B, s = c
       key, step_key = jax.random.split(s.key)
-      logits_B1V, _, cache = target.apply(params, s.pending_B[:, None],
-                                          s.cache.length_B[:, None], s.cache)
-      logits_BV = process_logits(logits_B1V[:, 0], sampling,
-                                 token_history(sampling, s.num_generated_B, eos_id, s.counts))
-      next_B = sample(step_key, logits_BV, sampling)
-      bad_B = ~s.done_B & nonfinite_rows(logits_BV)  # the row stops here, emitting nothing
-      count_B, done_B = tokens_to_emit(next_B[:, None], jnp.ones_like(next_B), s.num_generated_B,
-                                       budget_B, s.done_B | bad_B, eos_id)
-      kept_B = count_B > 0
-      new = s.replace(
-          seq_BS=write_tokens(s.seq_BS, lengths_B + s.num_generated_B, next_B[:, None], count_B),
-          pending_B=jnp.where(kept_B, next_B, s.pending_B),
-          num_generated_B=s.num_generated_B + count_B, done_B=done_B,
-          cache=cache.with_length(cache.length_B + kept_B.astype(jnp.int32)), key=key,
-          failed_B=s.failed_B | bad_B,
-          counts=None if s.counts is None else s.counts.add(next_B[:, None], count_B))
+      seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts = decode_token(
+          target, params, sampling, lengths_B, budget_B, eos_id, step_key, s.seq_BS, s.pending_B,
+          s.num_generated_B, s.done_B, s.cache, s.counts)
+      # the pending token's position, as commit_round keeps it: a row that emitted moves on
+      cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
+      new = s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,
+                      done_B=done_B, cache=cache, key=key, failed_B=s.failed_B | bad_B,
+                      counts=counts)
       return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
 
     zeros_B = jnp.zeros_like(s.pending_B)

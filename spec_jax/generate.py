@@ -273,6 +273,27 @@ class _ARState:
   counts: TokenCounts | None = None  # only with penalties (SamplingConfig.has_penalties)
 
 
+def decode_token(model, params, sampling, lengths_B, budget_B, eos_E, key, seq_BS, pending_B,
+                 num_generated_B, done_B, cache, counts):
+  """One autoregressive token for every row: generate's loop body, shared with gamma="auto"'s
+  plain steps. The pending token goes through the model at its position (the cache length)
+  and the next one is sampled and written. The cache comes back with its length untouched
+  (the caller's bookkeeping). -> (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B,
+  cache, counts); bad_B: rows that stop here at non-finite logits, emitting nothing."""
+  logits_B1V, _, cache = model.apply(params, pending_B[:, None], cache.length_B[:, None], cache)
+  logits_BV = process_logits(logits_B1V[:, 0], sampling,
+                             token_history(sampling, num_generated_B, eos_E, counts))
+  next_B = sample(key, logits_BV, sampling)
+  bad_B = ~done_B & nonfinite_rows(logits_BV)
+  stop_B = done_B | bad_B
+  count_B, new_done_B = tokens_to_emit(next_B[:, None], jnp.ones_like(next_B), num_generated_B,
+                                       budget_B, stop_B, eos_E)
+  seq_BS = write_tokens(seq_BS, lengths_B + num_generated_B, next_B[:, None], count_B)
+  counts = None if counts is None else counts.add(next_B[:, None], count_B)
+  return (seq_BS, jnp.where(stop_B, pending_B, next_B), num_generated_B + count_B, new_done_B,
+          bad_B, count_B, cache, counts)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_len", "sampling"))
 def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_E, pad_id, key, *,
                   max_new_tokens: int, cache_len: int, sampling: SamplingConfig):
@@ -290,22 +311,13 @@ def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_E, pad_id, k
 
   def body(s: _ARState):
     key, step_key = jax.random.split(s.key)
-    positions_B1 = s.cache.length_B[:, None]
-    logits_B1V, _, cache = model.apply(params, s.pending_B[:, None], positions_B1, s.cache)
-    active_B = (~s.done_B).astype(jnp.int32)
-    cache = cache.with_length(cache.length_B + active_B)  # done rows stay where they are
-    logits_BV = process_logits(logits_B1V[:, 0], sampling,
-                               token_history(sampling, s.num_generated_B, eos_E, s.counts))
-    next_B = sample(step_key, logits_BV, sampling)
-    bad_B = ~s.done_B & nonfinite_rows(logits_BV)  # the row stops here, emitting nothing
-    stop_B = s.done_B | bad_B
-    count_B, done_B = tokens_to_emit(next_B[:, None], jnp.ones_like(active_B), s.num_generated_B,
-                                     budget_B, stop_B, eos_E)
-    seq_BS = write_tokens(s.seq_BS, lengths_B + s.num_generated_B, next_B[:, None], count_B)
-    pending_B = jnp.where(stop_B, s.pending_B, next_B)
-    counts = None if s.counts is None else s.counts.add(next_B[:, None], count_B)
-    return _ARState(seq_BS, pending_B, s.num_generated_B + count_B, done_B, cache, key,
-                    s.step + 1, s.failed_B | bad_B, counts)
+    seq_BS, pending_B, num_generated_B, done_B, bad_B, _, cache, counts = decode_token(
+        model, params, sampling, lengths_B, budget_B, eos_E, step_key, s.seq_BS, s.pending_B,
+        s.num_generated_B, s.done_B, s.cache, s.counts)
+    # every row fed its pending token; done rows stay where they are
+    cache = cache.with_length(cache.length_B + (~s.done_B).astype(jnp.int32))
+    return _ARState(seq_BS, pending_B, num_generated_B, done_B, cache, key, s.step + 1,
+                    s.failed_B | bad_B, counts)
 
   state = jax.lax.while_loop(cond, body, state)
   tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B, max_new_tokens,

@@ -197,25 +197,36 @@ def stories260k(plan: Plan, ctx: dict) -> dict:
 
 # ---- scenario 2: the built-in pair ------------------------------------------------------------
 
-def builtin_pair(plan: Plan, ctx: dict) -> dict:
+def builtin_setup(plan: Plan, num_prompts: int, max_drafts: int, want_new: int):
+  """The built-in pair in the plan's layout and its first code prompts, for scenarios 2 and
+  7 -> (target, params, draft, draft params, tokenizer, prompts, width, new tokens, cache
+  length), or a skipped result when the pair cannot load. New tokens are capped so that the
+  prompt, the tokens and a round of max_drafts fit both models."""
   try:
     from spec_jax.models.builtin import load_builtin
-  except ImportError as e:
-    return skipped(f"spec_jax.models.builtin is not there yet ({e})")
-  try:
     target, params, draft, draft_params, tokenizer = load_builtin()
   except Exception as e:  # noqa: BLE001  e.g. the checkpoint is still being trained
     return skipped(f"load_builtin() failed: {type(e).__name__}: {e}")
   target, params = to_layout(target, params, plan.layout)
   draft, draft_params = to_layout(draft, draft_params, plan.layout)
   bos = tokenizer.bos_id is not None
-  prompts = [tokenizer.encode(p, add_bos=bos) for p in CODE_PROMPTS[:plan.s2_prompts]]
+  prompts = [tokenizer.encode(p, add_bos=bos) for p in CODE_PROMPTS[:num_prompts]]
   width = pad_width(prompts, plan.prompt_width)
-  pl_gamma = 4 if 4 in plan.s2_gammas else plan.s2_gammas[-1]
-  extra = max(plan.s2_gammas + ((DEFAULT_GAMMA_MAX,) if plan.s2_auto else ())) + 1
-  new = max(1, min(plan.s2_new, target.max_seq_len - width - extra,
+  extra = max_drafts + 1
+  new = max(1, min(want_new, target.max_seq_len - width - extra,
                    draft.max_seq_len - width - extra))
-  cache_len = width + new + extra
+  return target, params, draft, draft_params, tokenizer, prompts, width, new, width + new + extra
+
+
+def builtin_pair(plan: Plan, ctx: dict) -> dict:
+  setup = builtin_setup(plan, plan.s2_prompts,
+                        max(plan.s2_gammas + ((DEFAULT_GAMMA_MAX,) if plan.s2_auto else ())),
+                        plan.s2_new)
+  if isinstance(setup, dict):
+    return setup
+  target, params, draft, draft_params, tokenizer, prompts, width, new, cache_len = setup
+  bos = tokenizer.bos_id is not None
+  pl_gamma = 4 if 4 in plan.s2_gammas else plan.s2_gammas[-1]
   measure_sets = [pad_prompts([p], width=width) for p in prompts]
   other = tokenizer.encode("def main():", add_bos=bos)
   check_sets = [pad_prompts([other], width=width)] if len(other) <= width else []
@@ -283,20 +294,12 @@ def batch_sweep(plan: Plan, ctx: dict) -> dict:
   """The built-in pair at each batch size: autoregressive, then the draft model and lookup +
   draft model at fixed gammas and with gamma="auto" (the code prompts, repeated to fill the
   batch). Speed-ups over autoregressive at the same batch, and the widths auto chose."""
-  try:
-    from spec_jax.models.builtin import load_builtin
-    target, params, draft, draft_params, tokenizer = load_builtin()
-  except Exception as e:  # noqa: BLE001  e.g. the checkpoint is still being trained
-    return skipped(f"load_builtin() failed: {type(e).__name__}: {e}")
-  target, params = to_layout(target, params, plan.layout)
-  draft, draft_params = to_layout(draft, draft_params, plan.layout)
-  bos = tokenizer.bos_id is not None
-  prompts = [tokenizer.encode(p, add_bos=bos) for p in CODE_PROMPTS]
-  width = pad_width(prompts, plan.prompt_width)
-  extra = max(*plan.sw_gammas, DEFAULT_GAMMA_MAX) + 1
-  new = max(1, min(plan.sw_new, target.max_seq_len - width - extra,
-                   draft.max_seq_len - width - extra))
-  common0 = dict(max_new_tokens=new, cache_len=width + new + extra)
+  setup = builtin_setup(plan, len(CODE_PROMPTS), max(*plan.sw_gammas, DEFAULT_GAMMA_MAX),
+                        plan.sw_new)
+  if isinstance(setup, dict):
+    return setup
+  target, params, draft, draft_params, _, prompts, width, new, cache_len = setup
+  common0 = dict(max_new_tokens=new, cache_len=cache_len)
   drafters = [("draft model (built-in)", "draft_model"),
               ("prompt lookup + draft model", "lookup+draft_model")]
   built = [(label, kind) + build_drafter(kind, target, params, draft_model=draft,
