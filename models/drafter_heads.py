@@ -201,9 +201,9 @@ class EagleLayer(nnx.Module):
                mask_BTS):
     x_BTD = self.fc(jnp.concatenate([features_BTD, token_emb_BTD.astype(features_BTD.dtype)],
                                     axis=-1))
-    out_BTD, k, v = self.block(x_BTD, positions_BT, cache.k_LBKSE, cache.v_LBKES, 0, slots_BT,
+    out_BTD, k, v = self.block(x_BTD, positions_BT, cache.k_LBKES, cache.v_LBKES, 0, slots_BT,
                                mask_BTS)
-    return out_BTD, cache.replace(k_LBKSE=k, v_LBKES=v)
+    return out_BTD, cache.replace(k_LBKES=k, v_LBKES=v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,9 +298,9 @@ class MTPModule(nnx.Module):
     x_BTD = self.proj(jnp.concatenate([self.hidden_norm(h_prev_BTD),
                                        self.embed_norm(token_emb_BTD.astype(h_prev_BTD.dtype))],
                                       axis=-1))
-    h_BTD, k, v = self.block(x_BTD, positions_BT, cache.k_LBKSE, cache.v_LBKES, layer, slots_BT,
+    h_BTD, k, v = self.block(x_BTD, positions_BT, cache.k_LBKES, cache.v_LBKES, layer, slots_BT,
                              mask_BTS)
-    return h_BTD, cache.replace(k_LBKSE=k, v_LBKES=v)
+    return h_BTD, cache.replace(k_LBKES=k, v_LBKES=v)
 
 
 class MTP(nnx.Module):

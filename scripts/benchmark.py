@@ -58,6 +58,8 @@ SCENARIOS = {
                   sc.real_model, real_model_section),
     "7": Scenario("batch sweep: the built-in pair at batch 1-64, fixed gamma and auto (greedy)",
                   sc.batch_sweep, sections.batch_sweep),
+    "8": Scenario("batch baseline: stories260K autoregressive at batch 1-256 (greedy)",
+                  sc.batch_baseline, sections.batch_baseline),
 }
 
 

@@ -278,9 +278,9 @@ def batch_spec(shape: Sequence[int], mesh, rules: ShardingRules = DEFAULT_RULES)
 def cache_shardings(cache: KVCache, mesh, rules: ShardingRules = DEFAULT_RULES) -> KVCache:
   """KVCache of NamedShardings: batch over data, KV heads over model, slots unsharded.
 
-  k is [L, B, K, S, E] and v [L, B, K, E, S] (kv_cache.py's head-major layouts).
+  k and v are [L, B, K, E, S] (kv_cache.py's layout).
   """
-  k = _spec(rules, (None, "batch", "kv_heads", None, "head_dim"), cache.k_LBKSE.shape, mesh,
+  k = _spec(rules, (None, "batch", "kv_heads", "head_dim", None), cache.k_LBKES.shape, mesh,
             "KV cache (K)")
   v = _spec(rules, (None, "batch", "kv_heads", "head_dim", None), cache.v_LBKES.shape, mesh,
             "KV cache (V)")

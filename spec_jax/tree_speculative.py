@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from spec_jax.drafters.base import TreeDrafter
 from spec_jax.core.interface import CausalLM
-from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, tree_mask
+from spec_jax.core.kv_cache import KVCache, tree_mask
 from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits
 from spec_jax.generate import EosIds, finite_prefix
 from spec_jax.speculative import (SpecState, commit_round, prepare, round_inputs,
@@ -40,17 +40,13 @@ def compact_path(cache: KVCache, start_B: jax.Array, path_BR1: jax.Array) -> KVC
   src_BR1 = start_B[:, None] + path_BR1
   dst_BR1 = start_B[:, None] + depth_R1[None, :]
 
-  def mover(slot_axis: int):
-    lead = (slice(None),) * (slot_axis - 1)  # a row drops the batch axis: slots one earlier
+  def move_row(kv_LKES, src_R1, dst_R1):  # one row of k or v, slots minor
+    return kv_LKES.at[..., dst_R1].set(kv_LKES[..., src_R1], mode="drop")
 
-    def move_row(kv, src_R1, dst_R1):  # kv: one row, k [L, K, S, E] or v [L, K, E, S]
-      return kv.at[lead + (dst_R1,)].set(kv[lead + (src_R1,)], mode="drop")
-
-    # vmap over rows: local to each shard when the batch is sharded
-    return jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
-
-  return cache.replace(k_LBKSE=mover(K_SLOT_AXIS)(cache.k_LBKSE, src_BR1, dst_BR1),
-                       v_LBKES=mover(V_SLOT_AXIS)(cache.v_LBKES, src_BR1, dst_BR1))
+  # vmap over rows: local to each shard when the batch is sharded
+  mover = jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
+  return cache.replace(k_LBKES=mover(cache.k_LBKES, src_BR1, dst_BR1),
+                       v_LBKES=mover(cache.v_LBKES, src_BR1, dst_BR1))
 
 
 def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,

@@ -109,8 +109,8 @@ def mesh_checks(case, mesh) -> dict:
                                          draft_params, *case["prompts"], mesh=mesh, gamma=GAMMA,
                                          max_new_tokens=NEW)
   out, cache, draft_state = program(*args)
-  report.update(cache=layout(cache.k_LBKSE), cache_v=layout(cache.v_LBKES),
-                draft_cache=layout(draft_state.cache.k_LBKSE),
+  report.update(cache=layout(cache.k_LBKES), cache_v=layout(cache.v_LBKES),
+                draft_cache=layout(draft_state.cache.k_LBKES),
                 draft_cache_v=layout(draft_state.cache.v_LBKES),
                 tokens_out=layout(out.tokens), loops=loop_report(program, args))
   return report
@@ -131,7 +131,7 @@ def stories_check(mesh) -> dict | None:
   out, cache = sh.sharded_generate(model, placed, *prompts, mesh=mesh, rules=rules,
                                    max_new_tokens=NEW, return_cache=True)
   return {"single": tokens_of(generate(model, params, *prompts, max_new_tokens=NEW)),
-          "sharded": tokens_of(out), "params": layouts(placed), "cache": layout(cache.k_LBKSE),
+          "sharded": tokens_of(out), "params": layouts(placed), "cache": layout(cache.k_LBKES),
           "cache_v": layout(cache.v_LBKES)}
 
 

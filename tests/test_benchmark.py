@@ -267,3 +267,23 @@ def test_batch_sweep_and_auto_tables_from_records(tmp_path):
   assert "batch 4: {'1': 3, '2': 5}" in text
   report.plot_batch_sweep(sweep, tmp_path / "sweep.png")
   assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_batch_baseline_scenario_reports_steps_per_batch():
+  # scenario 8 on the quick plan: one autoregressive row per batch size, its per-step and
+  # per-row-step costs consistent with its tokens/s, and the section's table
+  from spec_jax.bench import sections
+  from spec_jax.bench.scenarios import QUICK, STORIES_DIR, batch_baseline
+  if not (STORIES_DIR / "stories260K.bin").exists():
+    pytest.skip(f"needs {STORIES_DIR}/stories260K.bin (../shared beside the repository)")
+  result = batch_baseline(QUICK, {})
+  assert result["status"] == "ok"
+  rows = _ok_rows(result)
+  assert [r["batch"] for r in rows] == list(QUICK.bb_batches)
+  for r in rows:
+    assert r["tokens"] == r["batch"] * QUICK.bb_new  # greedy, no EOS: every row runs out
+    np.testing.assert_allclose(r["ms_per_step"] * 1e-3 * QUICK.bb_new, r["run_s"])
+    np.testing.assert_allclose(r["us_per_row_step"] * r["batch"], 1e3 * r["ms_per_step"])
+    assert r["over_batch_16"] is None  # the quick plan has no batch 16
+  text = "\n".join(sections.batch_baseline(result))
+  assert "| batch | tok/s | ms per step |" in text and text.count("\n| ") >= 3, text

@@ -159,11 +159,11 @@ EXPECTED_PARAMS = {
     },
 }
 # batch 8, cache_len 8 + 8 new + gamma 3 + 1 = 20 slots, 4 KV heads of 8, one layer;
-# spec (the same for k and v), k shard [L, B, K, S, E], v shard [L, B, K, E, S]
+# spec (the same for k and v), k and v shards [L, B, K, E, S]
 EXPECTED_CACHE = {
-    "1x8": ([None, "data", None, None, None], [1, 8, 4, 20, 8], [1, 8, 4, 8, 20]),
-    "2x4": ([None, "data", "model", None, None], [1, 4, 1, 20, 8], [1, 4, 1, 8, 20]),
-    "8x1": ([None, "data", "model", None, None], [1, 1, 4, 20, 8], [1, 1, 4, 8, 20]),
+    "1x8": ([None, "data", None, None, None], [1, 8, 4, 8, 20], [1, 8, 4, 8, 20]),
+    "2x4": ([None, "data", "model", None, None], [1, 4, 1, 8, 20], [1, 4, 1, 8, 20]),
+    "8x1": ([None, "data", "model", None, None], [1, 1, 4, 8, 20], [1, 1, 4, 8, 20]),
 }
 
 
@@ -179,7 +179,7 @@ def test_params_and_caches_sharded_as_the_table_says(meshes, mesh):
   assert report["cache"] == [spec, shard]
   assert report["cache_v"] == [spec, shard_v]
   # the draft cache is left to the compiler at the output, which drops size-1 axes
-  for name, draft_shape in [("draft_cache", [1, shard[1], 4, 20, 8]),
+  for name, draft_shape in [("draft_cache", [1, shard[1], 4, 8, 20]),
                             ("draft_cache_v", [1, shard[1], 4, 8, 20])]:
     draft_spec, draft_shard = report[name]
     assert draft_spec == [None, "data" if mesh != "1x8" else None, None, None, None]
@@ -197,7 +197,7 @@ def test_loop_carry_keeps_its_sharding(meshes, mesh):
   batch = target_shard[1]
   # k and v: target shards, and the draft's whole-head caches
   carried = ["f32[{}]".format(",".join(map(str, shape))) for shape in
-             (target_shard, target_shard_v, [1, batch, 4, 20, 8], [1, batch, 4, 8, 20])]
+             (target_shard, target_shard_v, [1, batch, 4, 8, 20])]
   rounds = [c for c in loops["carries"] if f"s32[{batch},20]" in c]
   assert len(rounds) == 1, loops["carries"]
   assert all(rounds[0].count(shape) >= 1 for shape in carried), rounds[0]
@@ -217,7 +217,7 @@ def test_stories260k_with_kv_heads_replicated(jobs):
   assert params["layers.0.attn.wk.kernel"] == [[None, None], [64, 32]]  # 4 KV heads: whole
   assert params["layers.0.mlp.w_gate.kernel"] == [[None, None], [64, 172]]  # rules: mlp=None
   assert params["embed"] == [["model", None], [64, 64]]
-  assert stories["cache"] == [[None, "data", None, None, None], [5, 5, 4, 14, 8]]
+  assert stories["cache"] == [[None, "data", None, None, None], [5, 5, 4, 8, 14]]
   assert stories["cache_v"] == [[None, "data", None, None, None], [5, 5, 4, 8, 14]]
 
 

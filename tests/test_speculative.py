@@ -28,10 +28,10 @@ NEW = 40
 
 def assert_cache_prefix_close(cache, fresh, row: int, length: int, msg: str, layers=None):
   """cache's first `length` slots of `row` (in its first `layers` layers) equal fresh's,
-  within CACHE_TOL, for K ([L,B,K,S,H]) and V ([L,B,K,H,S])."""
+  within CACHE_TOL, for K and V (both [L,B,K,H,S])."""
   ls = slice(layers)
-  np.testing.assert_allclose(cache.k_LBKSE[ls, row, :, :length], fresh.k_LBKSE[ls, row, :, :length],
-                             err_msg=msg, **CACHE_TOL)
+  np.testing.assert_allclose(cache.k_LBKES[ls, row, ..., :length],
+                             fresh.k_LBKES[ls, row, ..., :length], err_msg=msg, **CACHE_TOL)
   np.testing.assert_allclose(cache.v_LBKES[ls, row, ..., :length],
                              fresh.v_LBKES[ls, row, ..., :length], err_msg=msg, **CACHE_TOL)
 

@@ -333,8 +333,8 @@ def test_greedy_verifier_is_sampling_at_temperature_zero():
 # --- the cache: compaction, and after generation ---------------------------------------------
 
 def test_compact_path_moves_the_path_to_consecutive_slots():
-  k = jax.random.normal(jax.random.key(0), (2, 3, 1, 20, 2))  # [L, B, K, S, H]
-  v = -k.transpose(0, 1, 2, 4, 3)  # [L, B, K, H, S]
+  k = jax.random.normal(jax.random.key(0), (2, 3, 1, 2, 20))  # [L, B, K, H, S]
+  v = -k[:, :, :, ::-1]  # [L, B, K, H, S], distinct from k
   cache = KVCache(k, v, jnp.zeros((3,), jnp.int32))
   start = jnp.array([2, 5, 0])
   path = jnp.array([[0, 3, 4, 0], [0, 2, 0, 0], [0, 1, 3, 6]])
@@ -342,12 +342,12 @@ def test_compact_path_moves_the_path_to_consecutive_slots():
   for b in range(3):
     s = int(start[b])
     for d in range(4):
-      np.testing.assert_array_equal(out.k_LBKSE[:, b, :, s + d], k[:, b, :, s + int(path[b, d])])
-      np.testing.assert_array_equal(out.v_LBKES[:, b, ..., s + d],
-                                    -k[:, b, :, s + int(path[b, d])])
+      src = s + int(path[b, d])
+      np.testing.assert_array_equal(out.k_LBKES[:, b, ..., s + d], k[:, b, ..., src])
+      np.testing.assert_array_equal(out.v_LBKES[:, b, ..., s + d], v[:, b, ..., src])
     outside = np.r_[0:s, s + 4:20]
-    np.testing.assert_array_equal(out.k_LBKSE[:, b, :, outside], k[:, b, :, outside])
-    np.testing.assert_array_equal(out.v_LBKES[:, b, ..., outside], -k[:, b, :, outside])
+    np.testing.assert_array_equal(out.k_LBKES[:, b, ..., outside], k[:, b, ..., outside])
+    np.testing.assert_array_equal(out.v_LBKES[:, b, ..., outside], v[:, b, ..., outside])
 
 
 def _check_caches_match_prefill(model, params, draft_params, out, cache, draft_state, lengths_B,

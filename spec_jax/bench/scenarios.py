@@ -68,6 +68,9 @@ class Plan:
   sw_gammas: tuple[int, ...] = (2, 4)
   sw_new: int = 128
   sw_kinds: tuple[str, ...] = ("draft_model", "lookup+draft_model")
+  # scenario 8, the batch baseline: stories260K autoregressive at these batch sizes
+  bb_batches: tuple[int, ...] = (1, 4, 16, 64, 256)
+  bb_new: int = 128
   s3_target: dict = dataclasses.field(default_factory=lambda: dict(
       vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8, hidden_dim=2816))
   s3_draft: dict = dataclasses.field(default_factory=lambda: dict(
@@ -99,6 +102,7 @@ QUICK = Plan(
     repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16,
     s1_auto=("prompt lookup",), s2_gammas=(3,),
     s2_prompts=2, s2_new=16, s2_auto=False, sw_batches=(1, 2), sw_gammas=(2,), sw_new=8,
+    bb_batches=(1, 4), bb_new=8,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
     s3_alphas=(0.8,), s3_gammas=(3,), s3_new=16, loop_steps=4, sweep_bytes=2 << 20,
@@ -319,6 +323,43 @@ def batch_sweep(plan: Plan, ctx: dict) -> dict:
     rows += finish_rows(records, outs, "autoregressive")
     groups.append({"batch": batch, **group})
   return {"status": "ok", "max_new_tokens": new, "batches": list(plan.sw_batches),
+          "rows": rows, "groups": groups, "notes": []}
+
+
+# ---- scenario 8: the batch baseline ----------------------------------------------------------------
+
+def batch_baseline(plan: Plan, ctx: dict) -> dict:
+  """stories260K autoregressive decoding (greedy, the story prompts repeated to fill the
+  batch) at each batch size: what batching buys before any speculation. Each row: tokens/s,
+  ms per decoding step and us per row-step; `over_batch_16`: tokens/s over batch 16's."""
+  path = STORIES_DIR / "stories260K.bin"
+  if not path.exists():
+    return skipped(f"{path} not found (the ../shared folder beside the repository)")
+  from spec_jax.models.llama2c import load_llama2c
+  from spec_jax.models.tokenizer import load_tokenizer
+  model, params = to_layout(*load_llama2c(str(path)), plan.layout)
+  tokenizer = load_tokenizer(str(STORIES_DIR / "tok512.bin"))
+  prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
+  width = pad_width(prompts, 8)
+  cache_len = width + plan.bb_new
+  rows, groups = [], []
+  for batch in plan.bb_batches:
+    measured, check = prompt_sets(prompts, batch, width)
+    cases = [ar_case(model, params, max_new_tokens=plan.bb_new, cache_len=cache_len,
+                     batch=batch)]
+    records, outs, group = run_group(cases, [measured], [check], **group_kw(plan, f"S8 b{batch}"))
+    rows += finish_rows(records, outs, "autoregressive")
+    groups.append({"batch": batch, **group})
+  for r in rows:
+    if "error" not in r:
+      r["ms_per_step"] = 1e3 * r["run_s"] / plan.bb_new
+      r["us_per_row_step"] = 1e3 * r["ms_per_step"] / r["batch"]
+  by_batch = {r["batch"]: r for r in rows if "error" not in r}
+  for r in by_batch.values():
+    r["over_batch_16"] = (r["tokens_per_s"] / by_batch[16]["tokens_per_s"]
+                          if 16 in by_batch else None)
+  return {"status": "ok", "model": "stories260K", "max_new_tokens": plan.bb_new,
+          "prompt_width": width, "cache_len": cache_len, "batches": list(plan.bb_batches),
           "rows": rows, "groups": groups, "notes": []}
 
 

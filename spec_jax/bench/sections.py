@@ -84,6 +84,15 @@ def builtin_pair(s: dict) -> list[str]:
   return lines
 
 
+def batch_baseline(s: dict) -> list[str]:
+  """Autoregressive throughput by batch size: tokens/s, ms per step, us per row-step."""
+  cols = [("batch", "batch"), ("tok/s", "tokens_per_s"), ("ms per step", "ms_per_step"),
+          ("us per row-step", "us_per_row_step"), ("tok/s over batch 16", "over_batch_16"),
+          ("error", "error")]
+  return [f"stories260K, greedy, {s['max_new_tokens']} new tokens, prompts padded to "
+          f"{s['prompt_width']}, cache {s['cache_len']} slots.", ""] + md_table(s["rows"], cols)
+
+
 def batch_sweep(s: dict) -> list[str]:
   """Speed-up over autoregressive by batch size, a row per drafter and gamma, then the widths
   gamma="auto" chose (rounds at each verification width; width 1: plain steps)."""

@@ -5,10 +5,10 @@ row. A row's `length` counts its valid slots; anything beyond is stale and maske
 gets overwritten later. Rolling back after a rejected draft is therefore only a change
 of `length` (see docs/design.md, "Invariants").
 
-Layouts are head-major, as the attention dots read them, so no step re-lays-out the cache:
-K is [layers, batch, kv_heads, slots, head_dim] (scores contract head_dim, its minor axis)
-and V is [layers, batch, kv_heads, head_dim, slots] (probs x V contracts slots, its minor
-axis). The two differ in shape, so the slot axis of each is named below.
+K and V share one layout, [layers, batch, kv_heads, head_dim, slots], slots minor: at decode
+and verification widths the attention is a multiply-and-reduce over head_dim whose inner
+loop runs along contiguous slots (models/llama.py, `attention`), not batch x kv_heads tiny
+dots; and a layer's K or V is one contiguous [batch, kv_heads, head_dim, slots] block.
 """
 
 from __future__ import annotations
@@ -18,54 +18,48 @@ import jax.numpy as jnp
 from flax import struct
 
 
-K_SLOT_AXIS = 3  # slots in k_LBKSE
-V_SLOT_AXIS = 4  # slots in v_LBKES
+SLOT_AXIS = 4  # slots in k_LBKES and v_LBKES
 
 
 @struct.dataclass
 class KVCache:
-  k_LBKSE: jax.Array  # [layers, batch, kv_heads, slots, head_dim]
+  k_LBKES: jax.Array  # [layers, batch, kv_heads, head_dim, slots]
   v_LBKES: jax.Array  # [layers, batch, kv_heads, head_dim, slots]
   length_B: jax.Array  # [batch] int32: number of valid slots per row
 
   @property
   def max_len(self) -> int:
-    return self.k_LBKSE.shape[K_SLOT_AXIS]
+    return self.k_LBKES.shape[SLOT_AXIS]
 
   @property
   def batch_size(self) -> int:
-    return self.k_LBKSE.shape[1]
+    return self.k_LBKES.shape[1]
 
   @classmethod
   def zeros(cls, *, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int,
             head_dim: int, dtype=jnp.float32) -> "KVCache":
-    k_shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-    v_shape = (num_layers, batch_size, num_kv_heads, head_dim, max_len)
-    return cls(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype),
+    shape = (num_layers, batch_size, num_kv_heads, head_dim, max_len)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
                jnp.zeros((batch_size,), jnp.int32))
 
   def with_length(self, length_B: jax.Array) -> "KVCache":
     return self.replace(length_B=jnp.asarray(length_B, jnp.int32))
 
 
-def write_rows(cache: jax.Array, slots_BT: jax.Array, values_BTKE: jax.Array, layer: int,
-               *, slot_axis: int) -> jax.Array:
+def write_rows(cache_LBKES: jax.Array, slots_BT: jax.Array, values_BTKE: jax.Array,
+               layer: int) -> jax.Array:
   """Writes T new tokens' K or V into one layer at per-row slots; slots outside are dropped.
 
-  `cache` is k_LBKSE (slot_axis=K_SLOT_AXIS) or v_LBKES (slot_axis=V_SLOT_AXIS); for each
-  row b and token t, values[b, t] ([kv_heads, head_dim]) lands at slot slots[b, t] of
-  cache[layer, b]. One scatter into the stacked buffer, so under jit (and in a loop carry)
+  For each row b and token t, values[b, t] ([kv_heads, head_dim]) lands at slot slots[b, t]
+  of cache[layer, b]. One scatter into the stacked buffer, so under jit (and in a loop carry)
   it updates in place instead of copying the whole cache every step.
   """
-  if slot_axis not in (K_SLOT_AXIS, V_SLOT_AXIS):
-    raise ValueError(f"slot_axis must be {K_SLOT_AXIS} (K) or {V_SLOT_AXIS} (V), got {slot_axis}")
-  batch_idx_B1 = jnp.arange(cache.shape[1])[:, None]
-  index = [layer, batch_idx_B1, slice(None), slice(None), slice(None)]
-  index[slot_axis] = slots_BT
-  # The integer indices are not adjacent (kv_heads lies between batch and slots), so by
-  # NumPy's rule their broadcast dims [B, T] lead the indexed shape and the sliced dims
-  # follow in order: [B, T, kv_heads, head_dim] for both layouts.
-  return cache.at[tuple(index)].set(values_BTKE.astype(cache.dtype), mode="drop")
+  batch_idx_B1 = jnp.arange(cache_LBKES.shape[1])[:, None]
+  # The integer indices are not adjacent (kv_heads and head_dim lie between batch and
+  # slots), so by NumPy's rule their broadcast dims [B, T] lead the indexed shape and the
+  # sliced dims follow: [B, T, kv_heads, head_dim].
+  index = (layer, batch_idx_B1, slice(None), slice(None), slots_BT)
+  return cache_LBKES.at[index].set(values_BTKE.astype(cache_LBKES.dtype), mode="drop")
 
 
 def causal_mask(positions_BT: jax.Array, max_len: int) -> jax.Array:

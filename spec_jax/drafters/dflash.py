@@ -46,14 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from spec_jax.core.kv_cache import K_SLOT_AXIS, V_SLOT_AXIS, KVCache, write_rows
+from spec_jax.core.kv_cache import KVCache, write_rows
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.common import draw
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
 from spec_jax.losses import (TOKEN_LOSSES, TargetOutputs, cross_entropy_with_integer_labels)
 from spec_jax.models.drafter_heads import BlockDrafterModel, HeadParams
-from spec_jax.models.llama import LAYOUTS, MLP, LlamaConfig, Linear, RMSNorm, apply_rope
+from spec_jax.models.llama import (LAYOUTS, MLP, LlamaConfig, Linear, RMSNorm, apply_rope,
+                                   cache_scores)
 
 
 def default_feature_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
@@ -118,15 +119,14 @@ class InjectedAttention(nnx.Module):
                         positions_BT, self.rope_theta)
     return k_BTKE, self.wv(x_BTD).reshape(B, T, self.n_kv_heads, self.head_dim)
 
-  def __call__(self, x_BTD, positions_BT, ctx_k_BKSE, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT):
+  def __call__(self, x_BTD, positions_BT, ctx_k_BKES, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT):
     B, T, _ = x_BTD.shape
     K, Q, E = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     q_BTKQE = apply_rope(self.wq(x_BTD).reshape(B, T, K * Q, E), positions_BT,
                          self.rope_theta).reshape(B, T, K, Q, E)
     k_BTKE, v_BTKE = self.kv(x_BTD, positions_BT)
     neg = jnp.finfo(jnp.float32).min
-    ctx_BKQTS = jnp.einsum("btkqe,bkse->bkqts", q_BTKQE, ctx_k_BKSE,
-                           preferred_element_type=jnp.float32) * (E ** -0.5)
+    ctx_BKQTS = cache_scores(q_BTKQE, ctx_k_BKES)
     ctx_BKQTS = jnp.where(ctx_mask_BTS[:, None, None], ctx_BKQTS, neg)
     blk_BKQTU = jnp.einsum("btkqe,buke->bkqtu", q_BTKQE, k_BTKE,
                            preferred_element_type=jnp.float32) * (E ** -0.5)
@@ -149,8 +149,8 @@ class DFlashLayer(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dt)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_BT, ctx_k_BKSE, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT):
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, ctx_k_BKSE, ctx_v_BKES,
+  def __call__(self, x_BTD, positions_BT, ctx_k_BKES, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, ctx_k_BKES, ctx_v_BKES,
                               ctx_mask_BTS, block_mask_BTT)
     return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
@@ -172,9 +172,9 @@ class DFlashNet(nnx.Module):
 
   def block(self, x_BTD, positions_BT, ctx_kv, ctx_mask_BTS, block_mask_BTT):
     """The draft layers over the block -> normalised hidden states [B, T, D].
-    ctx_kv: per layer (k [B,K,S,E], v [B,K,E,S]) of the context."""
-    for layer, (k_BKSE, v_BKES) in zip(self.layers, ctx_kv):
-      x_BTD = layer(x_BTD, positions_BT, k_BKSE, v_BKES, ctx_mask_BTS, block_mask_BTT)
+    ctx_kv: per layer (k and v [B,K,E,S]) of the context."""
+    for layer, (k_BKES, v_BKES) in zip(self.layers, ctx_kv):
+      x_BTD = layer(x_BTD, positions_BT, k_BKES, v_BKES, ctx_mask_BTS, block_mask_BTT)
     return self.norm(x_BTD)
 
 
@@ -215,12 +215,12 @@ class DFlashModel(BlockDrafterModel):
     net = self.module(params.own)
     ctx_BTD = net.context(features_BTF)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, cache.max_len)  # padding: dropped
-    k_LBKSE, v_LBKES = cache.k_LBKSE, cache.v_LBKES
+    k_LBKES, v_LBKES = cache.k_LBKES, cache.v_LBKES
     for i, layer in enumerate(net.layers):
       k_BTKE, v_BTKE = layer.attn.kv(ctx_BTD, positions_BT)
-      k_LBKSE = write_rows(k_LBKSE, slots_BT, k_BTKE, i, slot_axis=K_SLOT_AXIS)
-      v_LBKES = write_rows(v_LBKES, slots_BT, v_BTKE, i, slot_axis=V_SLOT_AXIS)
-    return cache.replace(k_LBKSE=k_LBKSE, v_LBKES=v_LBKES)
+      k_LBKES = write_rows(k_LBKES, slots_BT, k_BTKE, i)
+      v_LBKES = write_rows(v_LBKES, slots_BT, v_BTKE, i)
+    return cache.replace(k_LBKES=k_LBKES, v_LBKES=v_LBKES)
 
   def block_input(self, net, params: HeadParams, pending_B):
     """[B, block_size, D]: the pending token's embedding, then MASK."""
@@ -236,7 +236,7 @@ class DFlashModel(BlockDrafterModel):
     positions_BT = position_B[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)[None, :]
     slots_S = jnp.arange(cache.max_len, dtype=jnp.int32)
     ctx_mask_B1S = (slots_S[None, :] < position_B[:, None])[:, None, :]
-    ctx_kv = [(cache.k_LBKSE[i], cache.v_LBKES[i]) for i in range(self.cache_layers)]
+    ctx_kv = [(cache.k_LBKES[i], cache.v_LBKES[i]) for i in range(self.cache_layers)]
     return net.block(self.block_input(net, params, pending_B), positions_BT, ctx_kv,
                      ctx_mask_B1S, None)
 
@@ -254,7 +254,7 @@ class DFlashModel(BlockDrafterModel):
     ctx_kv = []
     for layer in net.layers:
       k_BTKE, v_BTKE = layer.attn.kv(ctx_BTD, positions_BT)
-      ctx_kv.append((k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 3, 1)))
+      ctx_kv.append((k_BTKE.transpose(0, 2, 3, 1), v_BTKE.transpose(0, 2, 3, 1)))
     anchor_tokens_BA = jnp.take_along_axis(tokens_BT, anchors_BA, axis=1)
     mask_D = net.mask_embed[...]
     x_BAKD = jnp.concatenate([
