@@ -212,8 +212,9 @@ def cache_scores(q_BTKQE: jax.Array, k_BKES: jax.Array) -> jax.Array:
   Why not always a dot: per (row, KV head) the product is [Q*T, E] x [E, S] with head_dim E
   often 8-64, and XLA:CPU runs a batched dot as B x K separate tiny matrix products. As
   E broadcast multiply-adds along the contiguous slots it fuses into one loop that reads
-  the cache once: 2.1-2.9x faster on a 2-core CPU at T <= 5, batch 1-256, head_dim 8 and 64
-  (scripts and figures: README, "The batch baseline").
+  the cache once. One layer's attention on a 2-core CPU: 1.3-2.9x faster at batch 1-256,
+  head_dim 8 and 64, 1-5 queries; even with 64-100 queries 1.0-1.8x (README, "The batch
+  baseline"). Past 16 queries the dot stays, for matrix units (GPU/TPU prefill).
   """
   E = q_BTKQE.shape[-1]
   if q_BTKQE.shape[1] > ELEMENTWISE_SCORES_MAX_QUERIES:
