@@ -10,7 +10,9 @@ target itself, a noisy copy, a random small model) are references. The trained d
 (Medusa heads, EAGLE, MTP modules; as many heads/modules as gamma) are distilled from
 stories260K's own sampled generations with spec_jax.training.distill, exported to --trained-dir and
 reused from there on later runs. Each row also checks that greedy output equals
-autoregressive output.
+autoregressive output. "draft cost" (chains) is one propose of gamma drafts over one
+one-token target step, both timed at the table's batch (spec_jax.adaptive.measure_costs:
+medians of 5 after compiling): what drafting a round costs in target steps.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from spec_jax.testing import (  # noqa: E402
 from spec_jax.models.llama2c import load_llama2c  # noqa: E402
 from spec_jax.training import distill  # noqa: E402
 from spec_jax import (SamplingConfig, TreeOptions, generate, make_drafter, pad_prompts,  # noqa: E402
-                      speculate, summarize)
+                      prepare_program, speculate, summarize)
+from spec_jax.adaptive import AdaptiveConfig, measure_costs  # noqa: E402
 from spec_jax.drafters.registry import families  # noqa: E402
 
 
@@ -95,6 +98,14 @@ def drafters(model, params, args):
   return rows
 
 
+def draft_cost_in_steps(model, params, drafter, draft_params, batch, gamma: int) -> float:
+  """One propose of `gamma` drafts over one one-token target step, at this batch."""
+  config = AdaptiveConfig(gamma_max=gamma, widths=(1, gamma + 1))
+  program, args = prepare_program(model, drafter, *batch, gamma=config, max_new_tokens=8)
+  target_costs, draft_cost, _ = measure_costs(program, params, draft_params, args)
+  return draft_cost / target_costs[0]
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--gamma", type=int, default=3, help="chain draft length (and trained heads)")
@@ -119,8 +130,9 @@ def main(argv=None) -> int:
   print(f"stories260K, {args.prompts} prompts ({len(batch[1])}), chains gamma {args.gamma}, trees "
         f"{args.tree} (depth,top-k,nodes), temperature {args.temperature}, "
         f"{args.max_new_tokens} new tokens\n")
-  print("| drafter | mean accepted | with bonus | acceptance rate | same as autoregressive |")
-  print("|---|---|---|---|---|")
+  print("| drafter | mean accepted | with bonus | acceptance rate | draft cost (target steps) "
+        "| same as autoregressive |")
+  print("|---|---|---|---|---|---|")
   for label, kind, opts in rows:
     draft_model, draft_params = opts.pop("draft", (None, None))
     drafter, dparams = make_drafter(kind, model, params, draft_model=draft_model,
@@ -129,8 +141,10 @@ def main(argv=None) -> int:
                     gamma=None if drafter.is_tree else args.gamma, **common)
     m = summarize(out.metrics)
     same = (np.array_equal(out.tokens, reference.tokens) if sampling.is_greedy else "n/a")
+    cost = ("-" if drafter.is_tree else
+            f"{draft_cost_in_steps(model, params, drafter, dparams, batch, args.gamma):.2f}")
     print(f"| {label} | {m['mean_accepted']:.2f} | {m['mean_accepted_with_bonus']:.2f} | "
-          f"{m['acceptance_rate']:.1%} | {same} |", flush=True)
+          f"{m['acceptance_rate']:.1%} | {cost} | {same} |", flush=True)
   return 0
 
 
