@@ -486,6 +486,12 @@ def configure(program, config: AdaptiveConfig):
 _MEASURED: dict = {}
 
 
+def _abstract(tree) -> tuple:
+  """What a compiled program depends on in a pytree: its structure, shapes and dtypes."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+
+
 def _seconds(fn, *args, repeats: int) -> float:
   jax.block_until_ready(fn(*args))  # compile and warm up
   times = []
@@ -500,11 +506,12 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
   """Times one target pass at each width and one propose of gamma_max drafts and of one, at
   this program's batch size and cache length -> (target_costs, draft_cost,
   first_draft_cost), in seconds.
-  Cached per program and batch shape (start-up cost: a few small compiles)."""
+  Cached per program, batch shape and params' shapes and dtypes (int8 and float32 params of
+  one model are different programs); start-up cost: a few small compiles."""
   cfg = program.adaptive.resolved()
   tokens_BP, lengths_B, budgets_B, eos, _, key = args
   cache_key = (program.target, program.drafter, program.sampling, program.cache_len,
-               cfg.widths, tokens_BP.shape)
+               cfg.widths, tokens_BP.shape, _abstract(params), _abstract(draft_params))
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)

@@ -79,6 +79,26 @@ def test_auto_measures_costs_and_stays_greedy_identical(stories, ragged, monkeyp
   assert draft_cost > 0 and first_draft_cost > 0
 
 
+def test_measured_costs_are_cached_per_params_dtypes(small_pair, monkeypatch):
+  # the same program handles with float32 and int8 draft params compile to different
+  # programs, so the cost table is measured for each; float32 params of the same shapes
+  # (other values) reuse the first measurement
+  from spec_jax import adaptive
+  from spec_jax.core.quantize import quantize_params
+  target, tp, draft_model, dp = small_pair
+  timed = []
+  real = adaptive._seconds
+  monkeypatch.setattr(adaptive, "_seconds", lambda *a, **k: timed.append(1) or real(*a, **k))
+  monkeypatch.setattr(adaptive, "_MEASURED", {})
+  program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
+                                  gamma=AdaptiveConfig(2, widths=(1, 3)), max_new_tokens=4)
+  per_measurement = 2 + 2  # two widths, two draft points
+  for draft_params, new in [(dp, 1), (perturbed(dp, 0.1, seed=2), 0), (quantize_params(dp), 1)]:
+    before = len(timed)
+    adaptive.measure_costs(program, tp, draft_params, args, repeats=1)
+    assert len(timed) - before == new * per_measurement
+
+
 def test_drafting_costs_follow_the_two_measured_points():
   from spec_jax.adaptive import drafting_costs
   np.testing.assert_allclose(drafting_costs(8, 8.0, 1.0), np.arange(1, 9))  # a draft model
