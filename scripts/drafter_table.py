@@ -12,7 +12,7 @@ stories260K's own sampled generations with spec_jax.training.distill, exported t
 reused from there on later runs. Each row also checks that greedy output equals
 autoregressive output. "draft cost" (chains) is one propose of gamma drafts over one
 one-token target step, both timed at the table's batch (spec_jax.adaptive.measure_costs:
-medians of 5 after compiling): what drafting a round costs in target steps.
+medians of 25 after compiling): what drafting a round costs in target steps.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def draft_cost_in_steps(model, params, drafter, draft_params, batch, gamma: int)
   """One propose of `gamma` drafts over one one-token target step, at this batch."""
   config = AdaptiveConfig(gamma_max=gamma, widths=(1, gamma + 1))
   program, args = prepare_program(model, drafter, *batch, gamma=config, max_new_tokens=8)
-  target_costs, draft_cost, _ = measure_costs(program, params, draft_params, args)
+  target_costs, draft_cost, _ = measure_costs(program, params, draft_params, args, repeats=25)
   return draft_cost / target_costs[0]
 
 
