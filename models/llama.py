@@ -216,8 +216,12 @@ def cache_scores(q_BTKQE: jax.Array, k_BKES: jax.Array) -> jax.Array:
   head_dim 8 and 64, 1-5 queries; even with 64-100 queries 1.0-1.8x (README, "The batch
   baseline"). Past 16 queries the dot stays, for matrix units (GPU/TPU prefill).
   """
-  E = q_BTKQE.shape[-1]
-  if q_BTKQE.shape[1] > ELEMENTWISE_SCORES_MAX_QUERIES:
+  B, T, _, _, E = q_BTKQE.shape
+  # One row: XLA:CPU turns the cache write into an in-place dynamic-update-slice and, with
+  # an elementwise consumer of the written layer, duplicates the write into it, which makes
+  # it copy the whole stacked cache once per layer (+10% a step on the built-in target).
+  # A dot reads the layer as its own slice, and B x K is small there anyway.
+  if B == 1 or T > ELEMENTWISE_SCORES_MAX_QUERIES:
     scores = jnp.einsum("btkqe,bkes->bkqts", q_BTKQE, k_BKES, preferred_element_type=jnp.float32)
   else:
     q_BKQTE1 = q_BTKQE.transpose(0, 2, 3, 1, 4)[..., None].astype(jnp.float32)
