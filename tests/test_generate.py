@@ -274,3 +274,21 @@ def test_a_sampled_row_does_not_depend_on_the_batch():
     assert np.array_equal(alone[name].tokens[0], batch[name].tokens[0]), name
     assert int(alone[name].num_tokens[0]) == int(batch[name].num_tokens[0]) == 16
   assert len({np.asarray(batch[n].tokens[0]).tobytes() for n in batch}) > 1  # really sampled
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_decode_loop_copies_no_whole_kv_cache(batch):
+  # The stacked cache is updated in place; a whole-cache copy inside the loop costs a
+  # cache's worth of bytes per layer per step (it happened at batch 1 when the scores read
+  # the written layer elementwise). Copies of the zero-initialised cache before the loop
+  # (copies of a broadcast) are allowed.
+  import re
+  from spec_jax.bench.cases import ar_case
+  model, params = tiny_llama(vocab_size=64, dim=128, n_heads=4, n_kv_heads=2, hidden_dim=64)
+  tokens, lengths = pad_prompts([[1, 2, 3]] * batch, width=8)
+  cache_len = 40
+  text = ar_case(model, params, max_new_tokens=16, cache_len=cache_len).lower(
+      tokens, lengths).compile().as_text()
+  shape = f"f32[2,{batch},2,32,{cache_len}]"  # [layers, batch, kv_heads, head_dim, slots]
+  copies = re.findall(r"= " + re.escape(shape) + r"\{[0-9,]+\} copy\(%([a-z_.\-0-9]+)\)", text)
+  assert copies == [] or all(src.startswith("wrapped_broadcast") for src in copies), copies
