@@ -6,9 +6,10 @@ gets overwritten later. Rolling back after a rejected draft is therefore only a 
 of `length` (see docs/design.md, "Invariants").
 
 K and V share one layout, [layers, batch, kv_heads, head_dim, slots], slots minor: at decode
-and verification widths the attention is a multiply-and-reduce over head_dim whose inner
-loop runs along contiguous slots (models/llama.py, `attention`), not batch x kv_heads tiny
-dots; and a layer's K or V is one contiguous [batch, kv_heads, head_dim, slots] block.
+and verification widths over several rows the attention scores are a multiply-and-reduce
+over head_dim whose inner loop runs along contiguous slots (models/llama.py,
+`cache_scores`), not batch x kv_heads tiny dots; and a layer's K or V is one contiguous
+[batch, kv_heads, head_dim, slots] block.
 """
 
 from __future__ import annotations
