@@ -161,7 +161,9 @@ def stories_drafters(model, params) -> list[tuple[str, str, dict]]:
   ]
 
 
-def stories260k(plan: Plan, ctx: dict) -> dict:
+def stories_setup(plan: Plan):
+  """stories260K in the plan's layout and the story prompts (token ids), for scenarios 1
+  and 8 -> (model, params, prompts), or a skipped result when ../shared is missing."""
   path = STORIES_DIR / "stories260K.bin"
   if not path.exists():
     return skipped(f"{path} not found (the ../shared folder beside the repository)")
@@ -169,7 +171,14 @@ def stories260k(plan: Plan, ctx: dict) -> dict:
   from spec_jax.models.tokenizer import load_tokenizer
   model, params = to_layout(*load_llama2c(str(path)), plan.layout)
   tokenizer = load_tokenizer(str(STORIES_DIR / "tok512.bin"))
-  prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
+  return model, params, [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
+
+
+def stories260k(plan: Plan, ctx: dict) -> dict:
+  setup = stories_setup(plan)
+  if isinstance(setup, dict):
+    return setup
+  model, params, prompts = setup
   width = pad_width(prompts, plan.prompt_width)
   cache_len = width + plan.s1_new + max(*plan.s1_gammas, DEFAULT_GAMMA_MAX) + 1
   drafters, notes = [], []
@@ -332,14 +341,10 @@ def batch_baseline(plan: Plan, ctx: dict) -> dict:
   """stories260K autoregressive decoding (greedy, the story prompts repeated to fill the
   batch) at each batch size: what batching buys before any speculation. Each row: tokens/s,
   ms per decoding step and us per row-step; `over_batch_16`: tokens/s over batch 16's."""
-  path = STORIES_DIR / "stories260K.bin"
-  if not path.exists():
-    return skipped(f"{path} not found (the ../shared folder beside the repository)")
-  from spec_jax.models.llama2c import load_llama2c
-  from spec_jax.models.tokenizer import load_tokenizer
-  model, params = to_layout(*load_llama2c(str(path)), plan.layout)
-  tokenizer = load_tokenizer(str(STORIES_DIR / "tok512.bin"))
-  prompts = [tokenizer.encode(t, add_bos=True) for t in STORY_TEXTS]
+  setup = stories_setup(plan)
+  if isinstance(setup, dict):
+    return setup
+  model, params, prompts = setup
   width = pad_width(prompts, 8)
   cache_len = width + plan.bb_new
   rows, groups = [], []
