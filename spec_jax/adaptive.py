@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits, sample
 from spec_jax.drafters.base import DraftContext, Drafter
 from spec_jax.generate import decode_token, finite_prefix
@@ -295,8 +296,8 @@ class AdaptiveRound:
                              draft_params, lengths_B, budget_B, eos_id)
     # no probes where even drafts that were all accepted could not beat a plain step: the
     # cost table alone (static) rules drafting out, and probing would only pay for drafts
-    probe = (stats.idle_rounds >= stats.probe_interval) & drafting_can_pay(
-        cost_np_G1, draft_cost_G)
+    can_probe = drafting_can_pay(cost_np_G1, draft_cost_G)
+    probe = (stats.idle_rounds >= stats.probe_interval) & can_probe
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
                              cost_G1, draft_cost_G, rules)
     planned = jnp.where(probe, jnp.maximum(planned, 1), planned)
@@ -306,11 +307,15 @@ class AdaptiveRound:
                                 probe, planned, s)
 
     def plain_steps(s):
-      # Nobody's draft pays: plain steps up to the next probe (at most probe_every), in an
-      # inner loop, so that an undrafted stretch costs what autoregressive decoding does and
-      # not a whole round's bookkeeping (two conditionals, the rules) per token. A drafter
-      # that can skip rounds catches up once after the stretch, not in every step.
-      n = jnp.clip(stats.probe_interval - stats.idle_rounds, 1, rules.probe_every)
+      # Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
+      # table rules drafting out), in an inner loop, so that an undrafted stretch costs what
+      # autoregressive decoding does and not a whole round's bookkeeping (two conditionals,
+      # the rules) per token, nor one per probe_every tokens (capped there, a useless draft
+      # ran at 0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a
+      # stretch, so ending it earlier would only plan no drafts again. A drafter that can
+      # skip rounds catches up once per probe_every steps, not in every step.
+      n = jnp.where(can_probe, jnp.maximum(stats.probe_interval - stats.idle_rounds, 1),
+                    jnp.iinfo(jnp.int32).max)
       zeros_B = jnp.zeros_like(s.pending_B)
       if drafter.skips_rounds:
         return self.plain_stretch(target, drafter, sampling, params, draft_params, lengths_B,
@@ -326,8 +331,11 @@ class AdaptiveRound:
       return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
 
     draft_now = planned > 0
-    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = jax.lax.cond(
-        draft_now, drafted_round, plain_steps, s)
+    zeros_B = jnp.zeros_like(s.pending_B)
+    outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
+               jnp.zeros_like(s.done_B))
+    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
+        draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
     stats = stats.update(~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
                          learning_rate=rules.learning_rate, schedule=rules.schedule,
                          probe_every=rules.probe_every, rounds=steps,
@@ -338,8 +346,11 @@ class AdaptiveRound:
                     eos_id, n, s):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no drafter, no round bookkeeping at gamma_max's shapes), the metrics
-    are added once, and the drafter catches up once at the end (Drafter.catch_up_after).
-    -> plain_steps' tuple."""
+    are added once, and the drafter catches up after every probe_every steps and at the end
+    (Drafter.catch_up_after, whose window is static). -> plain_steps' tuple."""
+    window = self.config.rules.probe_every
+    from spec_jax.speculative import round_inputs  # (imports this module lazily)
+
     def one(c):
       i, active_steps_B, s = c
       key, step_key = jax.random.split(s.key)
@@ -353,16 +364,20 @@ class AdaptiveRound:
                       counts=counts)
       return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
 
+    def chunk(c):  # up to `window` steps, then the drafter's catch-up over them
+      i, active_steps_B, s = c
+      stop = jnp.minimum(i + window, n)
+      i, active_steps_B, s = jax.lax.while_loop(
+          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (i, active_steps_B, s))
+      ctx = round_inputs(s, sampling, eos_id)[0]
+      return i, active_steps_B, s.replace(
+          draft_state=drafter.catch_up_after(draft_params, s.draft_state, ctx, window))
+
     zeros_B = jnp.zeros_like(s.pending_B)
     steps, active_steps_B, new = jax.lax.while_loop(
-        lambda c: (c[0] < n) & jnp.any(~c[2].done_B), one, (jnp.int32(0), zeros_B, s))
-    from spec_jax.speculative import round_inputs  # (imports this module lazily)
-    ctx = round_inputs(new, sampling, eos_id)[0]
-    new = new.replace(
-        draft_state=drafter.catch_up_after(draft_params, new.draft_state, ctx,
-                                           self.config.rules.probe_every),
-        metrics=new.metrics.after_plain_steps(steps, active_steps_B,
-                                              new.num_generated_B - s.num_generated_B))
+        lambda c: (c[0] < n) & jnp.any(~c[2].done_B), chunk, (jnp.int32(0), zeros_B, s))
+    new = new.replace(metrics=new.metrics.after_plain_steps(
+        steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
             jnp.zeros_like(s.done_B))
 
@@ -401,11 +416,16 @@ class AdaptiveRound:
     k = schedule_length(survival_BG, admitted_B, active_B, cost_G1)
     k = jnp.where(probe, jnp.max(admitted_B), k)
     admitted_B = jnp.minimum(admitted_B, k)
-    branches = [functools.partial(step, width=w, admitted_B=admitted_B, drafts_BG=drafts_BG,
-                                  probs_BGV=probs_BGV, draft_state=draft_state)
-                for w in cfg.widths]
+    # propose's state rides in the carry, so the branches commit it in place (closed over,
+    # it would be a loop invariant that each branch copies to return)
+    def branch(width):
+      return lambda c: step(c[0], width=width, admitted_B=admitted_B, drafts_BG=drafts_BG,
+                            probs_BGV=probs_BGV, draft_state=c[0].draft_state)
+
     w_idx = width_index(cfg.widths, jnp.max(admitted_B))  # 0, a plain step, when none
-    new, num_accepted_B = jax.lax.switch(w_idx, branches, s)
+    new, num_accepted_B = switch_in_place(
+        w_idx, [branch(w) for w in cfg.widths],
+        (s.replace(draft_state=draft_state), jnp.zeros_like(s.pending_B)))
     empty_B = jnp.zeros_like(active_B) if empty_B is None else empty_B
     return new, admitted_B, num_accepted_B, w_idx, jnp.int32(1), jnp.int32(0), empty_B
 
@@ -489,25 +509,42 @@ _MEASURED: dict = {}
 def _abstract(tree) -> tuple:
   """What a compiled program depends on in a pytree: its structure, shapes and dtypes."""
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+  return treedef, tuple((np.shape(x), x.dtype if hasattr(x, "dtype") else np.result_type(x))
+                        for x in leaves)
 
 
-def _seconds(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
+LOOP_PASSES = 16  # passes per timed call: a call's dispatch and cache copy are spread thin
+
+
+def _interleaved_seconds(thunks, repeats: int) -> list[float]:
+  """The fastest of `repeats` timings of each thunk, taken in turn (round robin).
+
+  The table's decisions compare costs with each other (tokens per second of one plan
+  against another), so what matters is their ratios. Taking the thunks in turn puts a burst
+  of another process's load on all of them alike; the minimum is the estimate least moved
+  by such bursts (on this shared 2-core CPU one-off medians swung 1.2-1.6x)."""
+  for thunk in thunks:
+    jax.block_until_ready(thunk())  # compile and warm up
+  best = [math.inf] * len(thunks)
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+    for i, thunk in enumerate(thunks):
+      t0 = time.perf_counter()
+      jax.block_until_ready(thunk())
+      best[i] = min(best[i], time.perf_counter() - t0)
+  return best
 
 
 def measure_costs(program, params, draft_params, args, repeats: int = 5):
   """Times one target pass at each width and one propose of gamma_max drafts and of one, at
   this program's batch size and cache length -> (target_costs, draft_cost,
   first_draft_cost), in seconds.
-  Cached per program, batch shape and params' shapes and dtypes (int8 and float32 params of
-  one model are different programs); start-up cost: a few small compiles."""
+
+  Each is timed as the loop runs it: LOOP_PASSES passes in a `lax.fori_loop` that carries
+  and writes the cache (the drafter's state), each pass fed from the one before, so neither
+  a call's dispatch nor copying the cache into a fresh call is charged to a pass (timed one
+  call a pass, a one-token pass cost 2-3x the loop's step). Cached per program, batch shape
+  and params' shapes and dtypes (int8 and float32 params of one model are different
+  programs); start-up cost: a few small compiles."""
   cfg = program.adaptive.resolved()
   tokens_BP, lengths_B, budgets_B, eos, _, key = args
   cache_key = (program.target, program.drafter, program.sampling, program.cache_len,
@@ -515,25 +552,39 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
-  target = program.target
+  target, n = program.target, LOOP_PASSES
+  token_limit = program.target.vocab_size
 
   @functools.partial(jax.jit, static_argnums=0)
-  def target_pass(w, params, cache, length_B):
+  def target_passes(w, params, cache, length_B):
     positions_BW = length_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
-    tokens_BW = jnp.zeros(positions_BW.shape, jnp.int32)
-    return target.apply(params, tokens_BW, positions_BW, cache)[0]
+
+    def one(_, c):
+      cache, token_B = c
+      tokens_BW = jnp.broadcast_to(token_B[:, None], positions_BW.shape)
+      logits_BWV, _, cache = target.apply(params, tokens_BW, positions_BW, cache)
+      return cache, jnp.argmax(logits_BWV[:, -1], axis=-1).astype(jnp.int32) % token_limit
+
+    return jax.lax.fori_loop(0, n, one, (cache, jnp.zeros_like(length_B)))[1]
 
   @jax.jit
-  def draft_pass(draft_params, s, key, max_drafts):
-    ctx = DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, None, max_drafts)
-    return program.drafter.propose(draft_params, s.draft_state, ctx, cfg.gamma_max,
-                                   program.sampling, key)[:2]
+  def draft_passes(draft_params, s, key, max_drafts):
+    def one(_, c):
+      draft_state, pending_B = c
+      ctx = DraftContext(s.seq_BS, s.cache.length_B, pending_B, None, max_drafts)
+      drafts_BG, _, draft_state = program.drafter.propose(draft_params, draft_state, ctx,
+                                                          cfg.gamma_max, program.sampling, key)
+      return draft_state, drafts_BG[:, -1] % token_limit
 
-  costs = tuple(_seconds(functools.partial(target_pass, w), params, state.cache,
-                         state.cache.length_B, repeats=repeats) for w in cfg.widths)
+    return jax.lax.fori_loop(0, n, one, (s.draft_state, s.pending_B))[1]
+
+  thunks = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
+            for w in cfg.widths]
   # one program for both points (max_drafts is traced): the drafts it stops making
-  draft, first = (_seconds(draft_pass, draft_params, state, key, jnp.int32(m), repeats=repeats)
-                  for m in (cfg.gamma_max, 1))
+  thunks += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
+             for m in (cfg.gamma_max, 1)]
+  seconds = [t / n for t in _interleaved_seconds(thunks, repeats)]
+  costs, (draft, first) = tuple(seconds[:-2]), seconds[-2:]
   _MEASURED[cache_key] = costs, draft, first
   return costs, draft, first
 

@@ -22,6 +22,7 @@ from flax import struct
 
 from spec_jax.drafters.base import (DraftContext, Drafter, PromptInfo, RoundOutcome,
                                     target_with_features)
+from spec_jax.core.control import cond_in_place
 from spec_jax.core.interface import CausalLM
 from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
@@ -114,8 +115,12 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
   if empty_B is None:
     num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = verify_drafts(s.cache)
   else:
-    num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = jax.lax.cond(
-        jnp.all(empty_B), one_step, verify_drafts, s.cache)
+    # in place (spec_jax.core.control): a lax.cond here copied the target cache twice a round
+    placeholders = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                jax.eval_shape(verify_drafts, s.cache))
+    outputs = placeholders[:3] + (s.cache,) + placeholders[4:]
+    num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = cond_in_place(
+        jnp.all(empty_B), lambda o: one_step(o[3]), lambda o: verify_drafts(o[3]), outputs)
   return commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
                       budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
                       draft_state=draft_state, draft_tokens_BG=draft_tokens_BG,

@@ -38,3 +38,16 @@ def perturbed(params, scale: float, seed: int = 0):
   return jax.tree.unflatten(treedef, [
       leaf + scale * np.std(np.asarray(leaf)) * jax.random.normal(k, leaf.shape, leaf.dtype)
       for leaf, k in zip(leaves, keys)])
+
+
+def whole_cache_copies(hlo_text: str, cache) -> list[str]:
+  """The sources of copies of a whole K or V buffer of `cache` (a KVCache) in compiled HLO
+  text, except copies of a broadcast (the zero-initialised cache, before any loop). In a
+  decode loop each such copy moves a cache's worth of bytes per step or round."""
+  import re
+  shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in (cache.k_LBKES, cache.v_LBKES)}
+  found = []
+  for shape in shapes:
+    found += re.findall(r"= " + re.escape(shape) + r"\{[0-9,]+\} copy\(%([a-z_.\-0-9]+)\)",
+                        hlo_text)
+  return [src for src in found if not src.startswith("wrapped_broadcast")]

@@ -87,8 +87,9 @@ def test_measured_costs_are_cached_per_params_dtypes(small_pair, monkeypatch):
   from spec_jax.core.quantize import quantize_params
   target, tp, draft_model, dp = small_pair
   timed = []
-  real = adaptive._seconds
-  monkeypatch.setattr(adaptive, "_seconds", lambda *a, **k: timed.append(1) or real(*a, **k))
+  real = adaptive._interleaved_seconds
+  monkeypatch.setattr(adaptive, "_interleaved_seconds",
+                      lambda thunks, repeats: timed.extend(thunks) or real(thunks, repeats))
   monkeypatch.setattr(adaptive, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
                                   gamma=AdaptiveConfig(2, widths=(1, 3)), max_new_tokens=4)
