@@ -39,11 +39,13 @@ def test_in_place_branches_compute_what_lax_cond_and_switch_do():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("kind,gamma", [("draft_model", "auto"), ("prompt_lookup", 3)])
+@pytest.mark.parametrize("kind,gamma", [("draft_model", "auto"), ("prompt_lookup", 3),
+                                        ("lookup+draft_model", 3)])
 def test_speculative_rounds_copy_no_whole_kv_cache(kind, gamma, batch):
   # A conditional's branches copy what they update: gamma="auto" (its width switch and its
-  # drafted-or-plain choice) and prompt lookup's all-rows-empty round copied the target's
-  # cache (and the draft's) up to six times a round; the in-place branches copy none.
+  # drafted-or-plain choice), prompt lookup's all-rows-empty round and the combined
+  # drafter's "lookup matched everywhere" branch copied the target's cache or the draft
+  # model's (here of the same shape) up to ten times a round; the in-place branches copy none.
   model, params = tiny_llama(vocab_size=64, dim=128, n_heads=4, n_kv_heads=2, hidden_dim=64)
   drafter, draft_params = make_drafter(kind, model, params, draft_model=model,
                                        draft_params=params)

@@ -33,6 +33,7 @@ from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
 from spec_jax.drafters.common import autoregressive_drafts
 from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, found_match
 from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
+from spec_jax.core.control import cond_in_place
 from spec_jax.core.errors import BadArgument
 from spec_jax.core.sampling import SamplingConfig
 
@@ -144,8 +145,12 @@ class FallbackDrafter(Drafter):
       return (*unused, self.secondary.catch_up(params[1], secondary_state, ctx, gamma,
                                                sampling, key_2))
 
-    tokens_2, probs_2, state_2 = jax.lax.cond(jnp.all(use_B), primary_everywhere,
-                                              secondary_drafts, state.secondary)
+    # in place (spec_jax.core.control): a lax.cond copied the secondary's cache each round
+    placeholders = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                jax.eval_shape(secondary_drafts, state.secondary)[:2])
+    tokens_2, probs_2, state_2 = cond_in_place(
+        jnp.all(use_B), lambda o: primary_everywhere(o[2]), lambda o: secondary_drafts(o[2]),
+        (*placeholders, state.secondary))
     tokens_BG = jnp.where(use_B[:, None], tokens_1, tokens_2)
     probs_BGV = None
     if probs_1 is not None or probs_2 is not None:
