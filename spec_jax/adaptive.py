@@ -553,7 +553,6 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
     return _MEASURED[cache_key]
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
   target, n = program.target, LOOP_PASSES
-  token_limit = program.target.vocab_size
 
   @functools.partial(jax.jit, static_argnums=0)
   def target_passes(w, params, cache, length_B):
@@ -563,7 +562,7 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
       cache, token_B = c
       tokens_BW = jnp.broadcast_to(token_B[:, None], positions_BW.shape)
       logits_BWV, _, cache = target.apply(params, tokens_BW, positions_BW, cache)
-      return cache, jnp.argmax(logits_BWV[:, -1], axis=-1).astype(jnp.int32) % token_limit
+      return cache, jnp.argmax(logits_BWV[:, -1], axis=-1).astype(jnp.int32)
 
     return jax.lax.fori_loop(0, n, one, (cache, jnp.zeros_like(length_B)))[1]
 
@@ -574,7 +573,7 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
       ctx = DraftContext(s.seq_BS, s.cache.length_B, pending_B, None, max_drafts)
       drafts_BG, _, draft_state = program.drafter.propose(draft_params, draft_state, ctx,
                                                           cfg.gamma_max, program.sampling, key)
-      return draft_state, drafts_BG[:, -1] % token_limit
+      return draft_state, drafts_BG[:, -1]
 
     return jax.lax.fori_loop(0, n, one, (s.draft_state, s.pending_B))[1]
 

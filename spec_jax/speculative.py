@@ -22,7 +22,7 @@ from flax import struct
 
 from spec_jax.drafters.base import (DraftContext, Drafter, PromptInfo, RoundOutcome,
                                     target_with_features)
-from spec_jax.core.control import cond_in_place
+from spec_jax.core.control import cond_in_place, zeros_like_outputs
 from spec_jax.core.interface import CausalLM
 from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
@@ -116,8 +116,7 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
     num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = verify_drafts(s.cache)
   else:
     # in place (spec_jax.core.control): a lax.cond here copied the target cache twice a round
-    placeholders = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                jax.eval_shape(verify_drafts, s.cache))
+    placeholders = zeros_like_outputs(verify_drafts, s.cache)
     outputs = placeholders[:3] + (s.cache,) + placeholders[4:]
     num_accepted_B, next_B, hidden_BG1D, cache, num_finite_B = cond_in_place(
         jnp.all(empty_B), lambda o: one_step(o[3]), lambda o: verify_drafts(o[3]), outputs)

@@ -22,6 +22,12 @@ import jax.numpy as jnp
 Carry = TypeVar("Carry")
 
 
+def zeros_like_outputs(fn: Callable, *args):
+  """Zeros shaped like fn(*args)'s outputs (traced abstractly, nothing runs): placeholders
+  for a branch's extra results in the carry."""
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn, *args))
+
+
 def run_if(pred: jax.Array, fn: Callable[[Carry], Carry], carry: Carry) -> Carry:
   """fn(carry) where pred (a traced bool scalar), else carry; in place."""
   def once(c):

@@ -33,7 +33,7 @@ from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
 from spec_jax.drafters.common import autoregressive_drafts
 from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, found_match
 from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
-from spec_jax.core.control import cond_in_place
+from spec_jax.core.control import cond_in_place, zeros_like_outputs
 from spec_jax.core.errors import BadArgument
 from spec_jax.core.sampling import SamplingConfig
 
@@ -139,18 +139,15 @@ class FallbackDrafter(Drafter):
     def secondary_drafts(secondary_state):
       return self.secondary.propose(params[1], secondary_state, ctx, gamma, sampling, key_2)
 
-    def primary_everywhere(secondary_state):  # the secondary's drafts would go unused
-      tokens, probs, _ = jax.eval_shape(secondary_drafts, secondary_state)
-      unused = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (tokens, probs))
-      return (*unused, self.secondary.catch_up(params[1], secondary_state, ctx, gamma,
-                                               sampling, key_2))
-
     # in place (spec_jax.core.control): a lax.cond copied the secondary's cache each round
-    placeholders = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                jax.eval_shape(secondary_drafts, state.secondary)[:2])
+    unused = zeros_like_outputs(secondary_drafts, state.secondary)[:2]
+
+    def primary_everywhere(o):  # the secondary's drafts would go unused: keep the zeros
+      return (*o[:2], self.secondary.catch_up(params[1], o[2], ctx, gamma, sampling, key_2))
+
     tokens_2, probs_2, state_2 = cond_in_place(
-        jnp.all(use_B), lambda o: primary_everywhere(o[2]), lambda o: secondary_drafts(o[2]),
-        (*placeholders, state.secondary))
+        jnp.all(use_B), primary_everywhere, lambda o: secondary_drafts(o[2]),
+        (*unused, state.secondary))
     tokens_BG = jnp.where(use_B[:, None], tokens_1, tokens_2)
     probs_BGV = None
     if probs_1 is not None or probs_2 is not None:
