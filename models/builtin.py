@@ -161,3 +161,12 @@ def load_builtin(folder: str | Path | None = None, *, dtype: str = "float32"):
                           f"{draft.vocab_size}")
   check_vocab_compatible(tokenizer, target.vocab_size)
   return target, target_params, draft, draft_params, tokenizer
+
+
+def builtin_drafter(kind: str, folder: str | Path | None = None) -> str | None:
+  """The folder of a drafter of `kind` trained for the built-in target and shipped with it
+  (models/builtin/<kind>/: drafter.json + drafter.safetensors, int8; made by
+  `scripts/train_drafter.py --model builtin`), or None."""
+  path = (BUILTIN_DIR if folder is None else Path(folder)) / kind
+  return str(path) if (path / "drafter.json").is_file() else None
+

@@ -31,7 +31,8 @@ if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
 from spec_jax.training.distill import (Trainer, export_drafter, generated_corpus,  # noqa: E402
-                              make_spec, mean_accepted, text_corpus, write_description)
+                              make_spec, mean_accepted, stdlib_corpus, text_corpus,
+                              write_description)
 from spec_jax.drafters.registry import trained_kinds  # noqa: E402
 from spec_jax.training import restore_best  # noqa: E402
 from spec_jax import cli  # noqa: E402
@@ -45,10 +46,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   count, count0, weight = cli.positive_int, cli.non_negative_int, cli.real_range(0.0)
   p.add_argument("--kind", required=True, choices=trained_kinds())
   p.add_argument("--model", required=True,
-                 help="target checkpoint (llama2.c .bin, HF or native folder)")
+                 help="target: 'builtin' (the built-in pair's target) or a checkpoint (llama2.c "
+                      ".bin, HF or native folder)")
   p.add_argument("--tokenizer", default=None, help="for --corpus FILE (default: beside the model)")
   p.add_argument("--corpus", default="self",
-                 help="a text file, or 'self' for the target's own sampled generations")
+                 help="a text file, 'self' for the target's own sampled generations, or "
+                      "'stdlib' for the Python standard library's source (the built-in "
+                      "pair's training text, same held-out files)")
   p.add_argument("--num-sequences", type=count, default=1024, help="generated training sequences")
   p.add_argument("--heldout", type=count, default=32, help="generated held-out sequences")
   p.add_argument("--gen-temperature", type=weight, default=1.0)
@@ -61,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--feature-weight", type=weight, default=1.0, help="feature regression weight (EAGLE)")
   p.add_argument("--token-weight", type=weight, default=0.1, help="token-loss weight (EAGLE)")
   p.add_argument("--feature-noise", type=weight, default=0.0, help="input feature noise (EAGLE)")
+  p.add_argument("--anchors", type=count, default=None,
+                 help="blocks per training row (DFlash, DSpark; default: a quarter of --seq-len)")
   p.add_argument("--steps", type=count, default=1000)
   p.add_argument("--batch-size", type=count, default=16)
   p.add_argument("--lr", type=cli.real_range(0.0, open_minimum=True), default=3e-3)
@@ -70,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--checkpoint-dir", default=None)
   p.add_argument("--export-dir", default=None,
                  help="write the trained drafter here (drafter.json + drafter.safetensors)")
+  p.add_argument("--export-dtype", default="float32", choices=("float32", "float16", "int8"),
+                 help="weights in the exported drafter (int8: per-column float32 scales)")
   p.add_argument("--save-every", type=count, default=200)
   p.add_argument("--eval-every", type=count0, default=0)
   p.add_argument("--best-by", default=None, choices=("loss", "acceptance"))
@@ -84,7 +92,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
   args = parse_args(argv)
   from spec_jax.models.loading import find_tokenizer_path, load_model
-  target, target_params = load_model(args.model)
+  from spec_jax.models.tokenizer import load_tokenizer
+  if args.model == "builtin":
+    from spec_jax.models.builtin import load_builtin
+    target, target_params, _, _, tokenizer = load_builtin()
+  else:
+    target, target_params = load_model(args.model)
+    tok_path = args.tokenizer or find_tokenizer_path(args.model)
+    tokenizer = None if tok_path is None else load_tokenizer(tok_path)
   spec = make_spec(args.kind, target, num_heads=args.num_heads, draft_dim=args.draft_dim,
                    draft_layers=args.draft_layers, draft_hidden=args.draft_hidden)
   if spec.max_gamma is not None and args.gamma > spec.max_gamma:
@@ -94,18 +109,20 @@ def main(argv=None) -> dict:
     corpus = generated_corpus(target, target_params, num_sequences=args.num_sequences,
                               seq_len=args.seq_len, heldout=args.heldout, seed=args.seed,
                               temperature=args.gen_temperature)
+  elif tokenizer is None:
+    raise BadArgument(f"no tokenizer found beside {args.model}; pass --tokenizer")
+  elif args.corpus == "stdlib":
+    corpus = stdlib_corpus(tokenizer, seq_len=args.seq_len,
+                           max_heldout=max(args.eval_prompts, 8), seed=args.seed)
   else:
-    from spec_jax.models.tokenizer import load_tokenizer
-    tok_path = args.tokenizer or find_tokenizer_path(args.model)
-    if tok_path is None:
-      raise BadArgument(f"no tokenizer found beside {args.model}; pass --tokenizer")
-    corpus = text_corpus(args.corpus, load_tokenizer(tok_path), seq_len=args.seq_len,
+    corpus = text_corpus(args.corpus, tokenizer, seq_len=args.seq_len,
                          max_heldout=max(args.eval_prompts, 8), seed=args.seed)
   # each family's loss takes the options it names (spec_jax.drafters.registry.Trained.loss)
   accepted = inspect.signature(spec.trained.loss).parameters
   options = {k: v for k, v in dict(token=args.loss, feature_weight=args.feature_weight,
                                    token_weight=args.token_weight,
-                                   feature_noise=args.feature_noise).items() if k in accepted}
+                                   feature_noise=args.feature_noise,
+                                   anchors=args.anchors).items() if k in accepted}
   trainer = Trainer(spec, target, target_params, corpus, args.steps, args.batch_size, args.lr,
                     args.warmup, args.weight_decay, args.clip, options, args.seed)
   if args.checkpoint_dir:
@@ -132,7 +149,7 @@ def main(argv=None) -> dict:
     report[name] = {k: m[k] for k in ("mean_accepted", "mean_accepted_with_bonus",
                                       "acceptance_rate", "position_acceptance")}
   if args.export_dir:
-    export_drafter(args.export_dir, spec, candidates.get("best", params))
+    export_drafter(args.export_dir, spec, candidates.get("best", params), dtype=args.export_dtype)
     report["exported"] = str(args.export_dir)
   # positions never reached have no rate (NaN): null in strict JSON
   report = json.loads(json.dumps(report).replace("NaN", "null"))

@@ -172,8 +172,14 @@ def key_and_eos(sampling: SamplingConfig, key, eos_id: EosIds,
   if key is None:
     if not sampling.is_greedy:
       raise BadArgument("sampling with temperature > 0 needs a PRNG key")
-    key = jax.random.key(0)
+    key = _greedy_key()
   return key, eos_array(eos_id, vocab_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _greedy_key() -> jax.Array:
+  # greedy decoding draws nothing; one key made once (a new one costs host time every call)
+  return jax.random.key(0)
 
 
 def token_history(sampling: SamplingConfig, num_generated_B, eos_E,

@@ -207,3 +207,30 @@ def test_int8_file_without_scales_fails_clearly(stories, exported, tmp_path):
                               str(path))
   with pytest.raises(CheckpointError, match="lacks scales"):
     distill.load_drafter(folder, model, params)
+
+
+def test_stdlib_corpus_splits_files_by_path_and_separates_them_with_bos(tmp_path):
+  """The built-in pair's text: training windows come from the training files only, held-out
+  windows from the held-out files (data.is_heldout by relative path), each file after BOS."""
+  from spec_jax.models.builtin import load_builtin
+  from spec_jax.training import data
+  tokenizer = load_builtin()[4]
+  names = [f"mod{i}.py" for i in range(200)]
+  held = [n for n in names if data.is_heldout(n)]
+  train = [n for n in names if not data.is_heldout(n)][:3]
+  assert held, "no held-out name among 200 (crc32 split)"
+  texts = {n: f"def f{i}(x):\n    return x + {i}\n" * 40 for i, n in enumerate(train + held[:1])}
+  for name, text in texts.items():
+    (tmp_path / name).write_text(text)
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "tests" / "skipped.py").write_text("x = 1\n" * 400)  # an excluded folder
+  corpus = distill.stdlib_corpus(tokenizer, seq_len=16, max_heldout=4, root=tmp_path)
+  bos = tokenizer.bos_id
+  expected_train = np.concatenate(
+      [[bos] + tokenizer.encode(texts[n], add_bos=False) for n in train])
+  np.testing.assert_array_equal(corpus.stream, expected_train)
+  held_ids = [bos] + tokenizer.encode(texts[held[0]], add_bos=False)
+  np.testing.assert_array_equal(corpus.heldout.reshape(-1), held_ids[:corpus.heldout.size])
+  assert corpus.heldout.shape == (4, 16)
+  with pytest.raises(ValueError, match="too little source"):
+    distill.stdlib_corpus(tokenizer, seq_len=100_000, root=tmp_path)

@@ -225,6 +225,37 @@ def test_shipped_pair_is_lossless_on_code():
   assert int(spec.metrics.rounds) < 32  # the draft is accepted some of the time
 
 
+def test_shipped_dspark_is_int8_and_lossless_on_the_builtin_target():
+  """models/builtin/dspark (scripts/train_drafter.py --model builtin --kind dspark): found by
+  builtin_drafter, stored int8, and greedy-identical, drafting whole blocks of 8."""
+  from spec_jax.drafters.files import read_drafter
+  from spec_jax.drafters.factory import make_drafter
+  from spec_jax.generate import generate, pad_prompts
+  from spec_jax.models.builtin import builtin_drafter
+  from spec_jax.speculative import speculative_generate
+
+  folder = builtin_drafter("dspark")
+  assert folder is not None, f"{BUILTIN_DIR}/dspark is not shipped"
+  assert builtin_drafter("no_such_kind") is None
+  target, target_params, _, _, tokenizer = load_builtin()
+  kind, _, _ = read_drafter(folder)
+  assert kind == "dspark"
+  import safetensors
+  with safetensors.safe_open(str(Path(folder) / "drafter.safetensors"), framework="numpy") as f:
+    stored = {name: f.get_tensor(name) for name in f.keys()}
+  matrices = [a for a in stored.values() if a.ndim >= 2]
+  assert matrices and all(a.dtype == np.int8 for a in matrices)
+  drafter, dp = make_drafter("dspark", target, target_params, checkpoint=folder)
+  assert drafter.model.num_drafts == 8
+  tokens, lengths = pad_prompts([tokenizer.encode("class Stack:\n"),
+                                 tokenizer.encode("import os\n\ndef ")])
+  ar = generate(target, target_params, tokens, lengths, max_new_tokens=24)
+  spec = speculative_generate(target, target_params, drafter, dp, tokens, lengths, gamma=8,
+                              max_new_tokens=24)
+  np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+  assert int(spec.metrics.rounds) < 24  # its drafts are accepted some of the time
+
+
 def test_builtin_storage_quantizes_matrices_per_output_channel(quick_pair, tmp_path):
   from spec_jax.models.builtin import SCALE_SUFFIX, dequantize_tensors, quantize_tensor
   rng = np.random.default_rng(0)

@@ -63,6 +63,8 @@ class Plan:
   s2_prompts: int = 6
   s2_new: int = 128
   s2_auto: bool = True  # gamma="auto" rows for the draft model and lookup + draft model
+  # the shipped DSpark block drafter (models/builtin/dspark) at these gammas (and auto)
+  s2_block_gammas: tuple[int, ...] = (4, 6, 8)
   # scenario 7, the batch sweep on the built-in pair: batch sizes, fixed gammas, new tokens
   sw_batches: tuple[int, ...] = (1, 4, 16, 64)
   sw_gammas: tuple[int, ...] = (2, 4)
@@ -101,7 +103,7 @@ class Plan:
 QUICK = Plan(
     repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16,
     s1_auto=("prompt lookup",), s2_gammas=(3,),
-    s2_prompts=2, s2_new=16, s2_auto=False, sw_batches=(1, 2), sw_gammas=(2,), sw_new=8,
+    s2_prompts=2, s2_new=16, s2_auto=False, s2_block_gammas=(3,), sw_batches=(1, 2), sw_gammas=(2,), sw_new=8,
     bb_batches=(1, 4), bb_new=8,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
@@ -233,7 +235,8 @@ def builtin_setup(plan: Plan, num_prompts: int, max_drafts: int, want_new: int):
 
 def builtin_pair(plan: Plan, ctx: dict) -> dict:
   setup = builtin_setup(plan, plan.s2_prompts,
-                        max(plan.s2_gammas + ((DEFAULT_GAMMA_MAX,) if plan.s2_auto else ())),
+                        max(plan.s2_gammas + plan.s2_block_gammas
+                            + ((DEFAULT_GAMMA_MAX,) if plan.s2_auto else ())),
                         plan.s2_new)
   if isinstance(setup, dict):
     return setup
@@ -255,6 +258,7 @@ def builtin_pair(plan: Plan, ctx: dict) -> dict:
                            label="draft model, gamma auto", drafter="draft model (built-in)",
                            kind="draft_model", **common))
   notes = []
+  cases += builtin_block_cases(plan, target, params, common, notes)
   try:
     pl, pl_params = build_drafter("prompt_lookup", target, params)
     cases.append(spec_case(target, params, pl, pl_params, gamma=pl_gamma,
@@ -279,6 +283,25 @@ def builtin_pair(plan: Plan, ctx: dict) -> dict:
           "target_params": param_count(params), "draft_params": param_count(draft_params),
           "rows": rows, "per_prompt": auto_vs_best_fixed(rows), "groups": [group],
           "notes": notes}
+
+
+def builtin_block_cases(plan: Plan, target, params, common: dict, notes: list) -> list:
+  """Rows of the DSpark drafter shipped for the built-in target, at the plan's block gammas
+  (those its block holds) and with gamma="auto"; none, with a note, where it is not shipped."""
+  from spec_jax.models.builtin import builtin_drafter
+  folder = builtin_drafter("dspark")
+  if folder is None or not plan.s2_block_gammas:
+    notes.append("no DSpark drafter shipped in models/builtin/dspark: no DSpark rows")
+    return []
+  drafter, dp = build_drafter("dspark", target, params, checkpoint=folder)
+  gammas = [g for g in plan.s2_block_gammas if g <= drafter.model.num_drafts]
+  info = dict(drafter="DSpark (built-in)", kind="dspark", **common)
+  cases = [spec_case(target, params, drafter, dp, gamma=g, label=f"DSpark, gamma {g}", **info)
+           for g in gammas]
+  if plan.s2_auto:
+    cases.append(spec_case(target, params, drafter, dp, gamma="auto", label="DSpark, gamma auto",
+                           **info))
+  return cases
 
 
 def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:

@@ -151,6 +151,27 @@ def text_corpus(path: str, tokenizer, *, seq_len: int, heldout_fraction: float =
   return Corpus(None, stream[:cut], heldout[:max_heldout], seq_len, seed)
 
 
+def stdlib_corpus(tokenizer, *, seq_len: int, max_heldout: int = 64, seed: int = 0,
+                  root: str | os.PathLike | None = None) -> Corpus:
+  """The Python standard library's source as the built-in pair was trained on it
+  (spec_jax.training.data: same files, same held-out split by path, each file after the
+  tokenizer's BOS, which the built-in tokenizer uses as its file separator)."""
+  from spec_jax.training import data
+  if tokenizer.bos_id is None:
+    raise ValueError("the stdlib corpus separates files with the tokenizer's BOS; this "
+                     "tokenizer has none")
+  root = data.stdlib_root() if root is None else Path(root)
+  train_files, heldout_files = data.split_files(data.stdlib_files(root), root)
+  encode = lambda texts: [tokenizer.encode(t, add_bos=False) for t in texts]
+  streams = [data.token_stream(encode, data.read_texts(files), tokenizer.bos_id,
+                               tokenizer.vocab_size) for files in (train_files, heldout_files)]
+  heldout = data.sequential_windows(streams[1], seq_len, max_heldout)
+  if len(heldout) == 0 or len(streams[0]) < seq_len + 1:
+    raise ValueError(f"{root}: too little source for training and held-out windows of "
+                     f"{seq_len} tokens")
+  return Corpus(None, streams[0], heldout, seq_len, seed)
+
+
 # --- evaluation -------------------------------------------------------------------------------
 
 def mean_accepted(target, target_params, spec: DrafterSpec, own, prompts_BP, *, gamma: int,
