@@ -95,6 +95,13 @@ class AdaptiveRules:
   admit: Callable | None = None
 
 
+# Plain steps a drafter that skips rounds may fall behind before it catches up, in one pass
+# over this many tokens. Stretches run to the next probe (8, 16, 32, ... steps): a window of
+# 8 cost a useless 1-layer draft of stories260K 15 catch-up passes in 128 tokens, where 32
+# takes 5-6 about as costly each (a small model's pass costs its launches, not its tokens).
+CATCH_UP_WINDOW = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptiveConfig:
   """gamma="auto" with its settings. target_costs: seconds of one target pass at each width
@@ -313,7 +320,7 @@ class AdaptiveRound:
       # the rules) per token, nor one per probe_every tokens (capped there, a useless draft
       # ran at 0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a
       # stretch, so ending it earlier would only plan no drafts again. A drafter that can
-      # skip rounds catches up once per probe_every steps, not in every step.
+      # skip rounds catches up once per CATCH_UP_WINDOW steps, not in every step.
       n = jnp.where(can_probe, jnp.maximum(stats.probe_interval - stats.idle_rounds, 1),
                     jnp.iinfo(jnp.int32).max)
       zeros_B = jnp.zeros_like(s.pending_B)
@@ -346,9 +353,9 @@ class AdaptiveRound:
                     eos_id, n, s):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no drafter, no round bookkeeping at gamma_max's shapes), the metrics
-    are added once, and the drafter catches up after every probe_every steps and at the end
-    (Drafter.catch_up_after, whose window is static). -> plain_steps' tuple."""
-    window = self.config.rules.probe_every
+    are added once, and the drafter catches up after every CATCH_UP_WINDOW steps and at the
+    end (Drafter.catch_up_after, whose window is static). -> plain_steps' tuple."""
+    window = CATCH_UP_WINDOW
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
     def one(c):
