@@ -310,8 +310,8 @@ class AdaptiveRound:
     planned = jnp.where(probe, jnp.maximum(planned, 1), planned)
 
     def drafted_round(s):
-      return self.drafted_round(step, drafter, gamma, sampling, draft_params, eos_id, cost_G1,
-                                probe, planned, s)
+      return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
+                                cost_G1, probe, planned, s)
 
     def plain_steps(s):
       # Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
@@ -391,15 +391,15 @@ class AdaptiveRound:
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
             jnp.zeros_like(s.done_B))
 
-  def drafted_round(self, step, drafter, gamma, sampling, draft_params, eos_id, cost_G1, probe,
-                    planned, s):
+  def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
+                    cost_G1, probe, planned, s):
     """Drafts up to `planned`, admits a prefix per row, verifies at the width the scheduler
     picks."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     from spec_jax.speculative import round_inputs  # speculative.py imports this module lazily
     active_B = ~s.done_B
-    ctx, _, draft_key, _ = round_inputs(s, sampling, eos_id)
+    ctx, _, draft_key, _ = round_inputs(s, sampling, eos_id, verifier)
     if rules.admit is None:
       # nothing past the planned length is admitted: drafters may stop there (a draft
       # model's sequential steps are most of a round's drafting cost)
@@ -446,7 +446,7 @@ class AdaptiveRound:
     width 1 is a plain step; then, with draft_state None, the drafter catches up itself.
     -> (new state, num_accepted_B)."""
     from spec_jax.speculative import commit_round, round_inputs  # (imports this module lazily)
-    ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id)
+    ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id, verifier)
     if draft_state is None:
       draft_state = drafter.catch_up(draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
       drafts_BG = jnp.zeros((s.pending_B.shape[0], gamma), jnp.int32)

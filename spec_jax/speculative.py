@@ -73,10 +73,18 @@ def candidates(draft_tokens_BG, num_accepted_B, next_B):
   return jnp.where(j_G1 < n_B1, drafts_BG1, jnp.where(j_G1 == n_B1, next_B[:, None], 0))
 
 
-def round_inputs(s: SpecState, sampling: SamplingConfig, eos_id):
+def round_inputs(s: SpecState, sampling: SamplingConfig, eos_id, verifier=None):
   """What every round (chain, tree, adaptive) starts from: -> (its DraftContext, the next
-  round's key, the draft key, the verify key)."""
-  key, draft_key, verify_key = jax.random.split(s.key, 3)
+  round's key, the draft key, the verify key).
+
+  A greedy round draws nothing, so its key is passed on unsplit (on CPU a split is a rolled
+  threefry loop of a dozen small operations, a few percent of a small model's round),
+  unless the verifier draws even then (`draws_when_greedy`: the benchmarks' CoinVerifier).
+  """
+  if sampling.is_greedy and not getattr(verifier, "draws_when_greedy", False):
+    key = draft_key = verify_key = s.key
+  else:
+    key, draft_key, verify_key = jax.random.split(s.key, 3)
   history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
   return DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, history), key, draft_key, verify_key
 
@@ -84,7 +92,7 @@ def round_inputs(s: SpecState, sampling: SamplingConfig, eos_id):
 def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: SamplingConfig,
                       verifier, params, draft_params, lengths_B, budget_B, eos_id,
                       s: SpecState) -> SpecState:
-  ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id)
+  ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id, verifier)
   length_B, history = ctx.position_B, ctx.history
   draft_tokens_BG, draft_probs_BGV, draft_state = drafter.propose(
       draft_params, s.draft_state, ctx, gamma, sampling, draft_key)

@@ -53,7 +53,7 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
                            sampling: SamplingConfig, verifier, params, draft_params, lengths_B,
                            budget_B, eos_id, s: SpecState) -> SpecState:
   """One round over a token tree; the signature of speculative.speculative_round."""
-  ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id)
+  ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id, verifier)
   length_B, history = ctx.position_B, ctx.history
   tree, draft_state = drafter.propose_tree(draft_params, s.draft_state, ctx, sampling, draft_key)
   if tree.max_depth != max_depth:

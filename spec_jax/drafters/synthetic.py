@@ -43,6 +43,7 @@ class CoinVerifier:
   kept whatever the target thinks of them; the next token is the target's greedy choice.
   """
   alpha: float
+  draws_when_greedy = True  # its coins need a fresh key every round (speculative.round_inputs)
 
   def __post_init__(self):
     if not 0.0 <= self.alpha <= 1.0:
