@@ -77,6 +77,18 @@ def test_only_drafters_that_read_layers_change_the_target(tiny_target):
 
 # --- lossless -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_catch_up_leaves_the_state_and_runs_no_block(tiny_target, kind):
+  # a round that verifies none of a block drafter's drafts (gamma="auto"'s plain steps, a
+  # combination's other rows) leaves its state alone: the context K/V grows in `commit`
+  target, tp = tiny_target
+  spec, own = _random_drafter(kind, target)
+  state = object()  # never looked at
+  ctx = None
+  assert spec.drafter.catch_up(spec.draft_params(own, target, tp), state, ctx, DRAFTS,
+                               SamplingConfig(), jax.random.key(0)) is state
+
+
 @pytest.mark.parametrize("kind,gamma", [("dflash", DRAFTS), ("dspark", DRAFTS), ("dspark", 1)])
 def test_greedy_identity(tiny_target, kind, gamma):
   target, tp = tiny_target

@@ -340,6 +340,13 @@ class DFlashDrafter(Drafter):
   def commit(self, params, state: DFlashState, outcome: RoundOutcome) -> DFlashState:
     return DFlashState(block_commit(self.model, params, state.cache, outcome))
 
+  def catch_up(self, params, state, ctx: DraftContext, gamma: int, sampling: SamplingConfig,
+               key: jax.Array):
+    # propose changes no state (DSpark's: only the confidences of its own drafts); the context
+    # K/V grows in `commit`, from the target's hidden states, in every round. The default
+    # (propose and drop the drafts) made each of gamma="auto"'s plain steps pay for a block.
+    return state
+
 
 # --- training -------------------------------------------------------------------------------------
 
