@@ -96,10 +96,13 @@ class AdaptiveRules:
 
 
 # Plain steps a drafter that skips rounds may fall behind before it catches up, in one pass
-# over this many tokens. Stretches run to the next probe (8, 16, 32, ... steps): a window of
-# 8 cost a useless 1-layer draft of stories260K 15 catch-up passes in 128 tokens, where 32
-# takes 5-6 about as costly each (a small model's pass costs its launches, not its tokens).
+# over at most this many tokens (+1). Stretches run to the next probe (8, 16, 32, ... steps):
+# a window of 8 cost a useless 1-layer draft of stories260K 15 catch-up passes in 128 tokens,
+# where 32 takes 5-6. Shorter chunks (a stretch of a few steps between drafted rounds) take
+# the narrowest of CATCH_UP_WIDTHS that covers them: a 33-token pass of the built-in draft
+# model costs a few target steps, where a stretch of 2 steps needs a 3-token pass.
 CATCH_UP_WINDOW = 32
+CATCH_UP_WIDTHS = (2, 8)  # narrower catch-up passes compiled for shorter chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,13 +378,19 @@ class AdaptiveRound:
       return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
 
     def chunk(c):  # up to `window` steps, then the drafter's catch-up over them
-      i, active_steps_B, s = c
-      stop = jnp.minimum(i + window, n)
+      start, active_steps_B, s = c
+      stop = jnp.minimum(start + window, n)
       i, active_steps_B, s = jax.lax.while_loop(
-          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (i, active_steps_B, s))
+          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
+      # the narrowest compiled window that covers the chunk's steps (a short stretch between
+      # drafted rounds must not pay a 33-token pass of a real draft model)
+      widths = tuple(w for w in CATCH_UP_WIDTHS if w < window) + (window,)
+      pick = jnp.searchsorted(jnp.asarray(widths, jnp.int32), i - start)
+      catch_up = [functools.partial(drafter.catch_up_after, draft_params, ctx=ctx, rounds=w)
+                  for w in widths]
       return i, active_steps_B, s.replace(
-          draft_state=drafter.catch_up_after(draft_params, s.draft_state, ctx, window))
+          draft_state=switch_in_place(pick, catch_up, s.draft_state))
 
     zeros_B = jnp.zeros_like(s.pending_B)
     steps, active_steps_B, new = jax.lax.while_loop(
