@@ -120,13 +120,14 @@ def load_target_and_tokenizer(args):
 def make_drafter(args, target, params, tokenizer, builtin_draft):
   from spec_jax.models.zoo import ZOO, zoo_drafter
   # a zoo model's (or the built-in target's) trained drafters load from the files shipped for it
-  shipped = (lambda k: zoo_drafter(args.model, k.split("+")[-1])) if args.model in ZOO else None
+  shipped = None
   if builtin_draft is not None:
     from spec_jax.models.builtin import builtin_drafter
     shipped = lambda k: builtin_drafter(k.split("+")[-1])  # noqa: E731
-  if builtin_draft is not None:
     default = "draft_model" if args.tree else BUILTIN_DRAFTER  # trees: a model drafts them
   else:
+    if args.model in ZOO:
+      shipped = lambda k: zoo_drafter(args.model, k.split("+")[-1])  # noqa: E731
     default = ZOO_DRAFTER if shipped and shipped(ZOO_DRAFTER) else "prompt_lookup"
   kind = args.draft or default
   checkpoint = args.draft_checkpoint or (shipped(kind) if shipped else None)

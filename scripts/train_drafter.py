@@ -92,14 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
   args = parse_args(argv)
   from spec_jax.models.loading import find_tokenizer_path, load_model
-  from spec_jax.models.tokenizer import load_tokenizer
+  tokenizer = None  # the built-in pair's comes with it; others' are read for a text corpus
   if args.model == "builtin":
     from spec_jax.models.builtin import load_builtin
     target, target_params, _, _, tokenizer = load_builtin()
   else:
     target, target_params = load_model(args.model)
-    tok_path = args.tokenizer or find_tokenizer_path(args.model)
-    tokenizer = None if tok_path is None else load_tokenizer(tok_path)
   spec = make_spec(args.kind, target, num_heads=args.num_heads, draft_dim=args.draft_dim,
                    draft_layers=args.draft_layers, draft_hidden=args.draft_hidden)
   if spec.max_gamma is not None and args.gamma > spec.max_gamma:
@@ -109,14 +107,16 @@ def main(argv=None) -> dict:
     corpus = generated_corpus(target, target_params, num_sequences=args.num_sequences,
                               seq_len=args.seq_len, heldout=args.heldout, seed=args.seed,
                               temperature=args.gen_temperature)
-  elif tokenizer is None:
-    raise BadArgument(f"no tokenizer found beside {args.model}; pass --tokenizer")
-  elif args.corpus == "stdlib":
-    corpus = stdlib_corpus(tokenizer, seq_len=args.seq_len,
-                           max_heldout=max(args.eval_prompts, 8), seed=args.seed)
   else:
-    corpus = text_corpus(args.corpus, tokenizer, seq_len=args.seq_len,
-                         max_heldout=max(args.eval_prompts, 8), seed=args.seed)
+    if tokenizer is None:
+      from spec_jax.models.tokenizer import load_tokenizer
+      tok_path = args.tokenizer or find_tokenizer_path(args.model)
+      if tok_path is None:
+        raise BadArgument(f"no tokenizer found beside {args.model}; pass --tokenizer")
+      tokenizer = load_tokenizer(tok_path)
+    kw = dict(seq_len=args.seq_len, max_heldout=max(args.eval_prompts, 8), seed=args.seed)
+    corpus = (stdlib_corpus(tokenizer, **kw) if args.corpus == "stdlib"
+              else text_corpus(args.corpus, tokenizer, **kw))
   # each family's loss takes the options it names (spec_jax.drafters.registry.Trained.loss)
   accepted = inspect.signature(spec.trained.loss).parameters
   options = {k: v for k, v in dict(token=args.loss, feature_weight=args.feature_weight,

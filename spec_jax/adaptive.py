@@ -46,7 +46,8 @@ import numpy as np
 from flax import struct
 
 from spec_jax.core.control import cond_in_place, switch_in_place
-from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits, sample
+from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
+                                    split_unless_greedy)
 from spec_jax.drafters.base import DraftContext, Drafter
 from spec_jax.generate import decode_token, finite_prefix
 from spec_jax.metrics import AdaptiveStats
@@ -95,14 +96,13 @@ class AdaptiveRules:
   admit: Callable | None = None
 
 
-# Plain steps a drafter that skips rounds may fall behind before it catches up, in one pass
-# over at most this many tokens (+1). Stretches run to the next probe (8, 16, 32, ... steps):
-# a window of 8 cost a useless 1-layer draft of stories260K 15 catch-up passes in 128 tokens,
-# where 32 takes 5-6. Shorter chunks (a stretch of a few steps between drafted rounds) take
-# the narrowest of CATCH_UP_WIDTHS that covers them: a 33-token pass of the built-in draft
-# model costs a few target steps, where a stretch of 2 steps needs a 3-token pass.
-CATCH_UP_WINDOW = 32
-CATCH_UP_WIDTHS = (2, 8)  # narrower catch-up passes compiled for shorter chunks
+# The catch-up passes compiled for a drafter that skips rounds: after at most the last
+# (widest) many plain steps it catches up, in one pass over that many tokens (+1), through
+# the narrowest width that covers the steps. Stretches run to the next probe (8, 16, 32, ...
+# steps): a window of 8 cost a useless 1-layer draft of stories260K 15 catch-up passes in 128
+# tokens, where 32 takes 5-6; a stretch of 2 steps between drafted rounds needs a 3-token
+# pass, where a 33-token pass of the built-in draft model costs a few target steps.
+CATCH_UP_WIDTHS = (2, 8, 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +323,7 @@ class AdaptiveRound:
       # the rules) per token, nor one per probe_every tokens (capped there, a useless draft
       # ran at 0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a
       # stretch, so ending it earlier would only plan no drafts again. A drafter that can
-      # skip rounds catches up once per CATCH_UP_WINDOW steps, not in every step.
+      # skip rounds catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step.
       n = jnp.where(can_probe, jnp.maximum(stats.probe_interval - stats.idle_rounds, 1),
                     jnp.iinfo(jnp.int32).max)
       zeros_B = jnp.zeros_like(s.pending_B)
@@ -356,17 +356,15 @@ class AdaptiveRound:
                     eos_id, n, s):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no drafter, no round bookkeeping at gamma_max's shapes), the metrics
-    are added once, and the drafter catches up after every CATCH_UP_WINDOW steps and at the
-    end (Drafter.catch_up_after, whose window is static). -> plain_steps' tuple."""
-    window = CATCH_UP_WINDOW
+    are added once, and the drafter catches up after every CATCH_UP_WIDTHS[-1] steps and at
+    the end (Drafter.catch_up_after, whose window is static). -> plain_steps' tuple."""
+    window = CATCH_UP_WIDTHS[-1]
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
     def one(c):
       i, active_steps_B, s = c
-      # greedy steps draw nothing: no split, whose few scalar ops (a threefry call among
-      # them) cost 10-15% of a small model's step on XLA:CPU; generate's loop drops its
-      # split as dead code, but here the key lives on after the stretch
-      key, step_key = (s.key, s.key) if sampling.is_greedy else jax.random.split(s.key)
+      # the key outlives the stretch, so a greedy step's split would not be dropped as dead
+      key, step_key = split_unless_greedy(s.key, 2, sampling)
       seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts = decode_token(
           target, params, sampling, lengths_B, budget_B, eos_id, step_key, s.seq_BS, s.pending_B,
           s.num_generated_B, s.done_B, s.cache, s.counts)
@@ -385,10 +383,9 @@ class AdaptiveRound:
       ctx = round_inputs(s, sampling, eos_id)[0]
       # the narrowest compiled window that covers the chunk's steps (a short stretch between
       # drafted rounds must not pay a 33-token pass of a real draft model)
-      widths = tuple(w for w in CATCH_UP_WIDTHS if w < window) + (window,)
-      pick = jnp.searchsorted(jnp.asarray(widths, jnp.int32), i - start)
+      pick = jnp.searchsorted(jnp.asarray(CATCH_UP_WIDTHS, jnp.int32), i - start)
       catch_up = [functools.partial(drafter.catch_up_after, draft_params, ctx=ctx, rounds=w)
-                  for w in widths]
+                  for w in CATCH_UP_WIDTHS]
       return i, active_steps_B, s.replace(
           draft_state=switch_in_place(pick, catch_up, s.draft_state))
 

@@ -33,7 +33,7 @@ from spec_jax.core.kv_cache import KVCache
 from spec_jax.core.pytree_names import check_params_fit
 from spec_jax.metrics import SpecMetrics
 from spec_jax.core.sampling import (SamplingConfig, TokenCounts, nonfinite_rows, process_logits,
-                                    sample)
+                                    sample, split_unless_greedy)
 from spec_jax.verify import verify
 
 
@@ -75,16 +75,11 @@ def candidates(draft_tokens_BG, num_accepted_B, next_B):
 
 def round_inputs(s: SpecState, sampling: SamplingConfig, eos_id, verifier=None):
   """What every round (chain, tree, adaptive) starts from: -> (its DraftContext, the next
-  round's key, the draft key, the verify key).
-
-  A greedy round draws nothing, so its key is passed on unsplit (on CPU a split is a rolled
-  threefry loop of a dozen small operations, a few percent of a small model's round),
-  unless the verifier draws even then (`draws_when_greedy`: the benchmarks' CoinVerifier).
-  """
-  if sampling.is_greedy and not getattr(verifier, "draws_when_greedy", False):
-    key = draft_key = verify_key = s.key
-  else:
-    key, draft_key, verify_key = jax.random.split(s.key, 3)
+  round's key, the draft key, the verify key). A greedy round passes its key on unsplit
+  (core.sampling.split_unless_greedy), unless the verifier draws even then
+  (`draws_when_greedy`: the benchmarks' CoinVerifier)."""
+  key, draft_key, verify_key = split_unless_greedy(
+      s.key, 3, sampling, draws_when_greedy=getattr(verifier, "draws_when_greedy", False))
   history = token_history(sampling, s.num_generated_B, eos_id, s.counts)
   return DraftContext(s.seq_BS, s.cache.length_B, s.pending_B, history), key, draft_key, verify_key
 

@@ -289,8 +289,10 @@ def builtin_block_cases(plan: Plan, target, params, common: dict, notes: list) -
   """Rows of the DSpark drafter shipped for the built-in target, at the plan's block gammas
   (those its block holds) and with gamma="auto"; none, with a note, where it is not shipped."""
   from spec_jax.models.builtin import builtin_drafter
+  if not plan.s2_block_gammas:
+    return []
   folder = builtin_drafter("dspark")
-  if folder is None or not plan.s2_block_gammas:
+  if folder is None:
     notes.append("no DSpark drafter shipped in models/builtin/dspark: no DSpark rows")
     return []
   drafter, dp = build_drafter("dspark", target, params, checkpoint=folder)

@@ -271,6 +271,17 @@ def warped_probs(logits_NV: jax.Array, cfg: SamplingConfig) -> jax.Array:
 # give row 0 different numbers when B changes; this way a row's output depends only on its
 # prompt, settings and key, never on the batch size or the other rows.
 
+def split_unless_greedy(key: jax.Array, num: int, cfg: SamplingConfig, *,
+                        draws_when_greedy: bool = False) -> tuple[jax.Array, ...]:
+  """`num` keys from `key`: jax.random.split's, or `key` itself `num` times where nothing
+  draws (greedy, unless the caller draws even then). On CPU a split is a rolled threefry
+  loop of a dozen small operations, 10-15% of a small model's step; inside a loop whose key
+  outlives it, XLA cannot drop it as dead code."""
+  if cfg.is_greedy and not draws_when_greedy:
+    return (key,) * num
+  return tuple(jax.random.split(key, num))
+
+
 def row_keys(key: jax.Array, num_rows: int) -> jax.Array:
   """[num_rows] keys: row b's is fold_in(key, b)."""
   return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(num_rows, dtype=jnp.uint32))
