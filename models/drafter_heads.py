@@ -248,11 +248,12 @@ class EagleModel(BlockDrafterModel):
   module_cls = EagleLayer
 
   def apply(self, params: HeadParams, features_BTD, next_tokens_BT, positions_BT, cache: KVCache,
-            *, slots_BT=None, mask_BTS=None):
+            *, slots_BT=None, mask_BTS=None, last_logits_only: bool = False):
     """Element t = (feature f_t, token x_{t+1}) at positions[t] -> (logits [B,T,V] predicting
     x_{t+2}, predicted features f_{t+1} [B,T,D], cache with the T entries written).
 
     Positions < 0 (a window reaching before the sequence start) are computed but not stored.
+    `last_logits_only` (static): logits of the last element alone, [B,1,V].
     """
     if slots_BT is None:
       slots_BT = _default_slots(positions_BT, cache.max_len)
@@ -262,7 +263,8 @@ class EagleModel(BlockDrafterModel):
     feats_BTD, cache = layer(features_BTD, params.shared.embed(next_tokens_BT), positions_BT,
                              cache, slots_BT, mask_BTS)
     # target features are post-final-norm, so predicted ones go straight into the head
-    return params.shared.logits(feats_BTD), feats_BTD, cache
+    return (params.shared.logits(feats_BTD[:, -1:] if last_logits_only else feats_BTD),
+            feats_BTD, cache)
 
 
 # --- MTP (DeepSeek-V3 multi-token prediction) -------------------------------------------------
@@ -323,9 +325,11 @@ class MTPModel(BlockDrafterModel):
     return self.config.num_modules
 
   def apply_module(self, params: HeadParams, k: int, h_prev_BTD, tokens_BT, positions_BT,
-                   cache: KVCache, *, slots_BT=None, mask_BTS=None):
+                   cache: KVCache, *, slots_BT=None, mask_BTS=None,
+                   last_logits_only: bool = False):
     """Module k (1-based, static): element i = (h^{k-1}_i, x_{i+k}) at positions[i] ->
-    (logits [B,T,V] predicting x_{i+k+1}, h^k [B,T,D], cache with layer k-1 written)."""
+    (logits [B,T,V] predicting x_{i+k+1}, h^k [B,T,D], cache with layer k-1 written).
+    `last_logits_only` (static): logits of the last element alone, [B,1,V]."""
     if not 1 <= k <= self.config.num_modules:
       raise ValueError(f"MTP module {k} out of range 1..{self.config.num_modules}")
     if slots_BT is None:
@@ -337,7 +341,8 @@ class MTPModel(BlockDrafterModel):
                                       cache, k - 1, slots_BT, mask_BTS)
     # h^k is a residual stream, like the target's before its final norm: the shared output
     # head is the target's final norm + LM head, as in DeepSeek-V3
-    return params.shared.logits(params.shared.final_norm(h_BTD)), h_BTD, cache
+    head_in_BTD = h_BTD[:, -1:] if last_logits_only else h_BTD
+    return params.shared.logits(params.shared.final_norm(head_in_BTD)), h_BTD, cache
 
   def apply(self, params: HeadParams, hidden_BTD, tokens_BT, positions_BT, cache: KVCache,
             num_modules: int | None = None):

@@ -301,7 +301,8 @@ class Llama(nnx.Module):
     return self.lm_head(hidden_BTD).astype(jnp.float32)
 
   def __call__(self, tokens_BT, positions_BT, cache: KVCache, slots_BT, mask_BTS,
-               num_layers: int | None = None, feature_layers: tuple[int, ...] = ()):
+               num_layers: int | None = None, feature_layers: tuple[int, ...] = (),
+               last_logits_only: bool = False):
     x_BTD = self.embed_tokens(tokens_BT)
     k_LBKES, v_LBKES = cache.k_LBKES, cache.v_LBKES
     used = len(self.layers) if num_layers is None else num_layers
@@ -312,7 +313,8 @@ class Llama(nnx.Module):
       if i in feature_layers:
         outputs[i] = x_BTD
     hidden_BTD = self.final_norm(x_BTD)
-    logits_BTV = self.logits(hidden_BTD)
+    # XLA computes a whole [T, V] product even when only a slice of it is used
+    logits_BTV = self.logits(hidden_BTD[:, -1:] if last_logits_only else hidden_BTD)
     if feature_layers:  # [last ; layer l_1 ; ... ; layer l_n] along the feature axis
       hidden_BTD = jnp.concatenate([hidden_BTD] + [outputs[i] for i in feature_layers], axis=-1)
     return logits_BTV, hidden_BTD, cache.replace(k_LBKES=k_LBKES, v_LBKES=v_LBKES)
@@ -388,13 +390,14 @@ class LlamaModel:
 
   def apply(self, params, tokens_BT: jax.Array, positions_BT: jax.Array, cache: KVCache, *,
             slots_BT: jax.Array | None = None, mask_BTS: jax.Array | None = None,
-            feature_layers: tuple[int, ...] | None = None):
+            feature_layers: tuple[int, ...] | None = None, last_logits_only: bool = False):
     """-> (logits[B,T,V] float32, hidden[B,T,D], cache with the T new entries written).
 
     By default token t of row b is written to slot positions[b, t] and attends causally.
     Token trees pass their own slots and mask. `cache.length_B` is left to the caller.
     `feature_layers` (static) overrides the handle's: hidden is then [B,T,(1+n)*D], the
-    last hidden state followed by those layers' outputs.
+    last hidden state followed by those layers' outputs. `last_logits_only` (static): logits
+    of the block's last token alone, [B,1,V] (a drafter's window wants no more).
     """
     if slots_BT is None:
       slots_BT = positions_BT
@@ -406,4 +409,5 @@ class LlamaModel:
       check_feature_layers(layers, self.config.n_layers if self.num_layers is None
                            else self.num_layers)
     model = self.module(params)
-    return model(tokens_BT, positions_BT, cache, slots_BT, mask_BTS, self.num_layers, layers)
+    return model(tokens_BT, positions_BT, cache, slots_BT, mask_BTS, self.num_layers, layers,
+                 last_logits_only)

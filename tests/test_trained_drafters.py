@@ -457,3 +457,33 @@ def test_command_line(tmp_path):
     assert report[name]["mean_accepted_with_bonus"] == report[name]["mean_accepted"] + 1
   assert "tok/s" in proc.stderr  # the progress bar
   assert {"drafter.json", "latest", "best"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_last_logits_only_is_the_last_row_of_the_full_logits(tiny_target, kind):
+  """Drafters' windows ask their model for the last token's logits alone (XLA computes the
+  whole [T, V] head product when only a slice of it is used): the same numbers, the same
+  hidden states and cache. Checked for the target handle (draft models, layer skip) too."""
+  target, tp = tiny_target
+  spec, own = _random_head(kind, target)
+  params = spec.draft_params(own, target, tp)
+  batch, width = 2, 5
+  tokens = jax.random.randint(jax.random.key(2), (batch, width), 0, VOCAB)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width)) + 3
+  hidden = jax.random.normal(jax.random.key(3), (batch, width, target.config.dim))
+  model = spec.model
+  cache = model.init_cache(batch, 16)
+  if kind == "eagle":
+    run = lambda last: model.apply(params, hidden, tokens, positions, cache, last_logits_only=last)
+  else:
+    run = lambda last: model.apply_module(params, 2, hidden, tokens, positions, cache,
+                                          last_logits_only=last)
+  runs = [(run(False), run(True)),
+          (target.apply(tp, tokens, positions, target.init_cache(batch, 16)),
+           target.apply(tp, tokens, positions, target.init_cache(batch, 16),
+                        last_logits_only=True))]
+  for (logits, feats, new_cache), (last_logits, last_feats, last_cache) in runs:
+    assert last_logits.shape == (batch, 1, logits.shape[-1])
+    np.testing.assert_allclose(last_logits, logits[:, -1:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(last_feats, feats)
+    jax.tree.map(np.testing.assert_array_equal, last_cache, new_cache)

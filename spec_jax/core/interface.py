@@ -25,4 +25,6 @@ class CausalLM(Protocol):
   def init_cache(self, batch_size: int, max_len: int) -> KVCache: ...
 
   def apply(self, params, tokens_BT, positions_BT, cache,
-            **kw) -> tuple[jax.Array, jax.Array, KVCache]: ...
+            **kw) -> tuple[jax.Array, jax.Array, KVCache]:
+    """kw: slots_BT, mask_BTS (token trees), last_logits_only (logits [B,1,V] of the last
+    token alone: what drafters' windows ask for)."""

@@ -49,13 +49,14 @@ class ResyncDraftModelDrafter(DraftModelDrafter):
   """
 
   def _resync(self, params, state: DraftModelState, ctx: DraftContext, gamma: int):
-    """Feeds slots L - gamma .. L -> (their logits [B, gamma + 1, V], the cache)."""
+    """Feeds slots L - gamma .. L -> (the pending token's logits [B, V], the cache)."""
     # clamped at 0 early on: repeated (token 0, position 0) entries write the same values
     window_BW = jnp.maximum(
         ctx.position_B[:, None] + jnp.arange(-gamma, 1, dtype=jnp.int32)[None, :], 0)
     tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
-    logits_BWV, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
-    return logits_BWV, cache
+    logits_B1V, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache,
+                                            last_logits_only=True)
+    return logits_B1V[:, 0], cache
 
   def catch_up(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
                sampling: SamplingConfig, key: jax.Array) -> DraftModelState:
@@ -66,14 +67,14 @@ class ResyncDraftModelDrafter(DraftModelDrafter):
   def propose(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     pos_B = ctx.position_B
-    logits_BWV, cache = self._resync(params, state, ctx, gamma)
+    logits_BV, cache = self._resync(params, state, ctx, gamma)
 
     def step(cache, token_B, offset):
       logits_B1V, _, cache = self.model.apply(params, token_B[:, None],
                                               (pos_B + offset)[:, None], cache)
       return cache, logits_B1V[:, 0]
 
-    tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_BWV[:, -1], gamma,
+    tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_BV, gamma,
                                                         sampling, key, ctx.history,
                                                         ctx.max_drafts)
     return tokens_BG, probs_BGV, DraftModelState(cache)

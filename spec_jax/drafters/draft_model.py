@@ -56,14 +56,15 @@ class DraftModelDrafter(Drafter):
     prev_B = jnp.take_along_axis(ctx.seq_BS, (pos_B - 1)[:, None], axis=1)[:, 0]
     tokens_B2 = jnp.stack([prev_B, ctx.pending_B], axis=1)
     positions_B2 = jnp.stack([pos_B - 1, pos_B], axis=1)
-    logits_B2V, _, cache = self.model.apply(params, tokens_B2, positions_B2, state.cache)
+    logits_B1V, _, cache = self.model.apply(params, tokens_B2, positions_B2, state.cache,
+                                            last_logits_only=True)
 
     def step(cache, token_B, offset):
       logits_B1V, _, cache = self.model.apply(params, token_B[:, None],
                                               (pos_B + offset)[:, None], cache)
       return cache, logits_B1V[:, 0]
 
-    tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_B2V[:, 1], gamma,
+    tokens_BG, probs_BGV, cache = autoregressive_drafts(step, cache, logits_B1V[:, 0], gamma,
                                                         sampling, key, ctx.history,
                                                         ctx.max_drafts)
     return tokens_BG, probs_BGV, DraftModelState(cache)

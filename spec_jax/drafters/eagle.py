@@ -73,7 +73,7 @@ def eagle_window(model, params, state: EagleState, ctx: DraftContext, width: int
   pos_BW = window_positions(ctx.position_B, width)
   logits_BWV, feats_BWD, cache = model.apply(
       params, gather_positions(state.features_BSD, pos_BW),
-      gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache)
+      gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache, last_logits_only=True)
   return logits_BWV[:, -1], feats_BWD[:, -1], cache
 
 

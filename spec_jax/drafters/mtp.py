@@ -114,7 +114,7 @@ class MTPDrafter(Drafter):
       tokens_BW = jnp.where(token_pos_BW <= pos_B[:, None],
                             gather_positions(ctx.seq_BS, token_pos_BW), from_draft_BW)
       logits_BWV, h_BWD, cache = self.model.apply_module(params, k, h_BWD, tokens_BW, pos_BW,
-                                                         cache)
+                                                         cache, last_logits_only=True)
       d_B, q_BV = draw(keys[k - 1], logits_BWV[:, -1], sampling, history)
       history = None if history is None else history.push(d_B)
       drafts_BG = drafts_BG.at[:, k - 1].set(d_B)
@@ -157,7 +157,7 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
     # module 1: true features and tokens x_{i+1}; its last element (f_{L-1}, pending) is the root
     root_logits_BWV, win_h_BWD, cache = self.model.apply_module(
         params, 1, gather_positions(state.features_BSD, pos_BW),
-        gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache)
+        gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache, last_logits_only=True)
     batch, num_block = pos_B.shape[0], self.block_slots
     # block bookkeeping: tokens, parent block slots and ancestor rows of the nodes run so far,
     # and the previous module's output E(., k-1) per block slot (slot 0: the root)
