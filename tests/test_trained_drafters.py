@@ -487,3 +487,38 @@ def test_last_logits_only_is_the_last_row_of_the_full_logits(tiny_target, kind):
     np.testing.assert_allclose(last_logits, logits[:, -1:], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(last_feats, feats)
     jax.tree.map(np.testing.assert_array_equal, last_cache, new_cache)
+
+
+
+def test_eagle_catch_up_keeps_what_the_next_round_reads(stories, story_reference, trained):
+  """EAGLE's catch_up (gamma="auto"'s plain steps) runs the true-feature window alone. The
+  rounds after it must draft exactly what they draft after the default catch_up (a whole
+  propose whose drafts are dropped): same tokens, same accepted drafts in every round."""
+  import dataclasses
+  from spec_jax.adaptive import AdaptiveConfig
+  from spec_jax.drafters.base import Drafter
+  from spec_jax.drafters.eagle import EagleDrafter
+  from spec_jax.engine import speculate
+
+  @dataclasses.dataclass(frozen=True)
+  class ProposingCatchUp(EagleDrafter):
+    def catch_up(self, *args):
+      return Drafter.catch_up(self, *args)
+
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("eagle")
+  draft_params = spec.draft_params(own, model, params)
+  # costs where drafting pays only now and then: plain stretches between drafted rounds
+  auto = AdaptiveConfig(target_costs=(1.0, 1.6, 2.0, 2.2, 2.6), draft_cost=0.3,
+                        first_draft_cost=0.2)
+  outs = [speculate(model, params, d, draft_params, *prompts, gamma=auto, max_new_tokens=NEW,
+                    eos_id=1) for d in (spec.drafter, ProposingCatchUp(spec.drafter.model))]
+  for out in outs:
+    assert np.array_equal(out.tokens, reference.tokens)
+    assert np.array_equal(out.num_tokens, reference.num_tokens)
+  fast, slow = (summarize(o.metrics) for o in outs)
+  assert fast["adaptive"]["width_rounds"].get(1, 0) > 0, fast["adaptive"]  # plain steps ran
+  assert fast["rounds"] > fast["adaptive"]["width_rounds"].get(1, 0)  # and drafted rounds
+  assert (fast["mean_accepted"], fast["rounds"], fast["adaptive"]) == (
+      slow["mean_accepted"], slow["rounds"], slow["adaptive"])

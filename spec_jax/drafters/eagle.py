@@ -104,6 +104,14 @@ class EagleDrafter(Drafter):
         ctx.max_drafts)
     return tokens_BG, probs_BGV, EagleState(cache.with_length(pos_B), state.features_BSD)
 
+  def catch_up(self, params, state: EagleState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array) -> EagleState:
+    # a round that verifies none of its drafts (gamma="auto"'s plain steps): the true-feature
+    # window alone keeps every entry below L exact, which is all the next window relies on;
+    # the drafting steps and the head (113 MB a step on SmolLM2) would be thrown away
+    _, _, cache = eagle_window(self.model, params, state, ctx, gamma + 1)
+    return EagleState(cache.with_length(ctx.position_B), state.features_BSD)
+
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
 
