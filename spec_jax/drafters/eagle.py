@@ -71,10 +71,10 @@ def eagle_window(model, params, state: EagleState, ctx: DraftContext, width: int
   """Runs the true-feature window L-width .. L-1 -> (logits [B,V] of d_1, predicted f_L [B,D],
   cache). The caller sets the cache length (entries below L are then exact)."""
   pos_BW = window_positions(ctx.position_B, width)
-  logits_BWV, feats_BWD, cache = model.apply(
+  logits_B1V, feats_BWD, cache = model.apply(
       params, gather_positions(state.features_BSD, pos_BW),
       gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache, last_logits_only=True)
-  return logits_BWV[:, -1], feats_BWD[:, -1], cache
+  return logits_B1V[:, 0], feats_BWD[:, -1], cache
 
 
 @dataclasses.dataclass(frozen=True)

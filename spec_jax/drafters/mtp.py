@@ -113,9 +113,9 @@ class MTPDrafter(Drafter):
       from_draft_BW = gather_positions(drafts_BG, token_pos_BW - pos_B[:, None] - 1)
       tokens_BW = jnp.where(token_pos_BW <= pos_B[:, None],
                             gather_positions(ctx.seq_BS, token_pos_BW), from_draft_BW)
-      logits_BWV, h_BWD, cache = self.model.apply_module(params, k, h_BWD, tokens_BW, pos_BW,
+      logits_B1V, h_BWD, cache = self.model.apply_module(params, k, h_BWD, tokens_BW, pos_BW,
                                                          cache, last_logits_only=True)
-      d_B, q_BV = draw(keys[k - 1], logits_BWV[:, -1], sampling, history)
+      d_B, q_BV = draw(keys[k - 1], logits_B1V[:, 0], sampling, history)
       history = None if history is None else history.push(d_B)
       drafts_BG = drafts_BG.at[:, k - 1].set(d_B)
       probs.append(q_BV)
@@ -155,7 +155,7 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
     pos_BW = window_positions(pos_B, width)  # L-2D .. L-1; module k runs L-2D .. L-k
     max_len = state.cache.max_len
     # module 1: true features and tokens x_{i+1}; its last element (f_{L-1}, pending) is the root
-    root_logits_BWV, win_h_BWD, cache = self.model.apply_module(
+    root_logits_B1V, win_h_BWD, cache = self.model.apply_module(
         params, 1, gather_positions(state.features_BSD, pos_BW),
         gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache, last_logits_only=True)
     batch, num_block = pos_B.shape[0], self.block_slots
@@ -206,7 +206,7 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
       return (tree_log_probs(level_logits_BTV, sampling, ctx.history, level.depth),
               (cache, h_BUD[:, :win], feats_BMD, (tokens_BM, parents_BM, anc_BMM)))
 
-    root_logp_BV = tree_log_probs(root_logits_BWV[:, -1], sampling, ctx.history)
+    root_logp_BV = tree_log_probs(root_logits_B1V[:, 0], sampling, ctx.history)
     carry = (cache, win_h_BWD, feats_BMD, block)
     if self.choices is None:
       tree, carry = grow_dynamic_tree(root_logp_BV, ctx.pending_B, expand, carry,
