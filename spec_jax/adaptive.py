@@ -174,14 +174,19 @@ def check_costs(widths, target_costs, draft_cost) -> None:
     raise ValueError(f"the draft cost must be a finite time >= 0, got {draft_cost!r}")
 
 
-def as_config(gamma) -> AdaptiveConfig | None:
-  """gamma="auto" -> the default config; an AdaptiveConfig -> itself; an int -> None."""
+def as_config(gamma, drafter=None) -> AdaptiveConfig | None:
+  """gamma="auto" -> the default config, its gamma_max capped at what the drafter can draft
+  (Drafter.max_gamma: MTP's modules, Medusa's heads, a block's slots); an AdaptiveConfig ->
+  itself (an explicit gamma_max the drafter cannot hold is its check's error); an int ->
+  None."""
   if isinstance(gamma, AdaptiveConfig):
     return gamma
   if isinstance(gamma, str):
     if gamma != "auto":
       raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
-    return AdaptiveConfig()
+    limit = None if drafter is None else drafter.max_gamma
+    return AdaptiveConfig(gamma_max=DEFAULT_GAMMA_MAX if limit is None
+                          else min(DEFAULT_GAMMA_MAX, int(limit)))
   return None
 
 

@@ -44,7 +44,7 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
   """
   common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, key=key,
                 budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len)
-  adaptive_config = adaptive.as_config(gamma)
+  adaptive_config = adaptive.as_config(gamma, drafter)
   if adaptive_config is not None:  # gamma="auto": per-row lengths, per-round widths
     if drafter.is_tree:
       raise ValueError("gamma='auto' adapts chain drafters; a tree drafter's node budget does "

@@ -522,3 +522,35 @@ def test_eagle_catch_up_keeps_what_the_next_round_reads(stories, story_reference
   assert fast["rounds"] > fast["adaptive"]["width_rounds"].get(1, 0)  # and drafted rounds
   assert (fast["mean_accepted"], fast["rounds"], fast["adaptive"]) == (
       slow["mean_accepted"], slow["rounds"], slow["adaptive"])
+
+
+@pytest.mark.parametrize("kind", ["medusa", "mtp"])
+def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, trained, kind,
+                                                monkeypatch):
+  """gamma="auto" caps its gamma_max at the drafter's max_gamma (HEADS heads or modules draft
+  at most HEADS tokens a round; the default 8 was refused), and stays greedy-identical."""
+  from spec_jax import adaptive
+  from spec_jax.drafters.combined import FallbackDrafter
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  from spec_jax.engine import prepare_program, speculate
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained(kind)
+  drafter = spec.drafter
+  assert drafter.max_gamma == HEADS
+  assert FallbackDrafter(PromptLookupDrafter(), drafter).max_gamma == HEADS
+  program, _ = prepare_program(model, drafter, *prompts, gamma="auto", max_new_tokens=NEW)
+  assert program.gamma == program.adaptive.gamma_max == HEADS
+  assert program.adaptive.widths == (1, 2, 3, HEADS + 1)
+  with pytest.raises(ValueError, match="at most"):  # an explicit gamma_max is taken as asked
+    prepare_program(model, drafter, *prompts, gamma=adaptive.AdaptiveConfig(gamma_max=8),
+                    max_new_tokens=NEW)
+  if kind != "mtp":  # one run is enough for the loop (a compile costs ~20 s)
+    return
+  # a fixed table (what measure_costs returns) where drafting pays: drafted rounds run
+  monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: ((1.0, 1.1, 1.2, 1.3), 0.1, 0.05))
+  out = speculate(model, params, drafter, spec.draft_params(own, model, params), *prompts,
+                  gamma="auto", max_new_tokens=NEW, eos_id=1)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  assert summarize(out.metrics)["adaptive"]["width_rounds"].get(HEADS + 1, 0) > 0

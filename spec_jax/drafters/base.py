@@ -92,6 +92,12 @@ class Drafter:
   def vocab_size(self) -> int | None:
     return None  # None: proposes ids from the target's own vocabulary (e.g. prompt lookup)
 
+  @property
+  def max_gamma(self) -> int | None:
+    """The most drafts a chain round can hold (heads, modules, a block's slots); None: any.
+    gamma="auto" drafts up to min(its default gamma_max, this)."""
+    return None
+
   def check(self, target, gamma: int) -> None:
     """Host-side validation against the target, before anything is compiled."""
     if self.vocab_size is not None and self.vocab_size != target.vocab_size:

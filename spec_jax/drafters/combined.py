@@ -109,6 +109,11 @@ class FallbackDrafter(Drafter):
     v = self.primary.vocab_size
     return self.secondary.vocab_size if v is None else v
 
+  @property
+  def max_gamma(self) -> int | None:
+    limits = [m for m in (self.primary.max_gamma, self.secondary.max_gamma) if m is not None]
+    return min(limits) if limits else None
+
   def check(self, target, gamma: int) -> None:
     for part in (self.primary, self.secondary):
       part.check(target, gamma)

@@ -317,6 +317,10 @@ class DFlashDrafter(Drafter):
   def feature_layers(self) -> tuple[int, ...]:
     return self.model.config.feature_layers
 
+  @property
+  def max_gamma(self) -> int:
+    return self.model.num_drafts
+
   def check(self, target, gamma: int) -> None:
     super().check(target, gamma)  # vocabulary, feature layers inside the target
     name = type(self).__name__

@@ -90,6 +90,10 @@ class MTPDrafter(Drafter):
   def vocab_size(self) -> int:
     return self.model.vocab_size
 
+  @property
+  def max_gamma(self) -> int:
+    return self.model.num_modules
+
   def check(self, target, gamma: int) -> None:
     super().check(target, gamma)
     if gamma > self.model.num_modules:
