@@ -358,7 +358,7 @@ def generate(model: CausalLM, params, prompt_tokens_BP, prompt_lengths_B, *, max
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id, model.vocab_size)
   pad_id = pad_id_value(pad_id, model.vocab_size)
-  out, cache = generate_jit(model, params, tokens, lengths, budgets, jnp.asarray(eos),
-                             jnp.int32(pad_id), key, max_new_tokens=int(max_new_tokens),
+  out, cache = generate_jit(model, params, tokens, lengths, budgets, np.asarray(eos),
+                             np.int32(pad_id), key, max_new_tokens=int(max_new_tokens),
                              cache_len=cache_len, sampling=sampling)
   return (out, cache) if return_cache else out

@@ -31,7 +31,7 @@ class AdaptiveStats:
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32))
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
-             learning_rate: float, schedule: bool, probe_every: int,
+             learning_rate: float, schedule: bool, probe_every: int, probe_growth: int = 2,
              rounds=1, plain_row_rounds=None, empty_B=None) -> "AdaptiveStats":
     """After a drafted round, or after `rounds` plain steps run without drafting, in which
     rows were active `plain_row_rounds` times in all (each admitted nothing)."""
@@ -49,10 +49,10 @@ class AdaptiveStats:
       verified_B = drafted & active_B & (admitted_B > 0)
       step_B = jnp.where(num_accepted_B >= admitted_B, 2, -1)
       gamma_B = jnp.where(verified_B, jnp.clip(gamma_B + step_B, 1, gamma), gamma_B)
-    # a probe that accepted nothing doubles the wait before the next one (up to 64x)
+    # a probe that accepted nothing multiplies the wait before the next one (up to 64x)
     accepted_any = jnp.any(active_B & (num_accepted_B > 0))
     interval = jnp.where(probe, jnp.where(accepted_any, probe_every,
-                                          jnp.minimum(2 * self.probe_interval, 64 * probe_every)),
+                                          jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every)),
                          self.probe_interval)
     active_i = active_B.astype(jnp.int32)
     hist_G1 = jnp.sum(jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None],

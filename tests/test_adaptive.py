@@ -296,3 +296,25 @@ def test_drafting_stops_at_max_drafts_with_the_same_drafts(sampling):
       assert got[1] is None
     else:
       np.testing.assert_array_equal(got[1][:, :m], full[1][:, :m])
+
+
+def test_probe_interval_grows_after_empty_probes_and_resets_after_a_hit():
+  """A probe that accepts nothing multiplies the wait before the next (probe_growth, capped at
+  64x probe_every); one that accepts anything brings it back to probe_every."""
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
+  active_B, admitted_B = jnp.array([True, True]), jnp.array([1, 1])
+  kw = dict(learning_rate=0.3, schedule=True, probe_every=8, probe_growth=4)
+  seen = []
+  for _ in range(4):
+    stats = stats.update(active_B, admitted_B, jnp.array([0, 0]), 1, jnp.bool_(True),
+                         jnp.bool_(True), **kw)
+    seen.append(int(stats.probe_interval))
+  assert seen == [32, 128, 512, 512]
+  # a probe that is not a probe (an ordinary drafted round) leaves the interval alone
+  same = stats.update(active_B, admitted_B, jnp.array([0, 0]), 1, jnp.bool_(True),
+                      jnp.bool_(False), **kw)
+  assert int(same.probe_interval) == 512
+  hit = stats.update(active_B, admitted_B, jnp.array([0, 1]), 1, jnp.bool_(True),
+                     jnp.bool_(True), **kw)
+  assert int(hit.probe_interval) == 8
