@@ -554,3 +554,32 @@ def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, traine
   assert np.array_equal(out.tokens, reference.tokens)
   assert np.array_equal(out.num_tokens, reference.num_tokens)
   assert summarize(out.metrics)["adaptive"]["width_rounds"].get(HEADS + 1, 0) > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kind):
+  """EAGLE's and MTP's catch_up (no drafting, no heads) leave the drafter's cache as propose
+  does at every slot propose marks exact (below its length), with at least that length; the
+  entries past it are provisional and the next window rewrites them. From a state after a
+  few sampled rounds, so the windows start mid-sequence."""
+  from spec_jax.speculative import speculative_generate
+  target, tp = tiny_target
+  spec, own = _random_head(kind, target, num_heads=3)
+  head_params = spec.draft_params(own, target, tp)
+  drafter = spec.drafter
+  tokens, lengths = pad_prompts([[3, 1, 4, 1, 5, 2, 6], [5], [2, 7, 1, 0]])
+  out, cache, state = speculative_generate(
+      target, tp, drafter, head_params, tokens, lengths, gamma=3, max_new_tokens=9,
+      sampling=SamplingConfig(1.0), key=jax.random.key(3), cache_len=40, return_state=True)
+  seq, now = jnp.asarray(out.sequences), cache.length_B
+  ctx = DraftContext(seq, now, seq[jnp.arange(3), now])
+  args = (head_params, state, ctx, 3, SamplingConfig(), jax.random.key(0))
+  proposed = jax.jit(drafter.propose, static_argnums=(3, 4))(*args)[2].cache
+  caught_up = jax.jit(drafter.catch_up, static_argnums=(3, 4))(*args).cache
+  assert (np.asarray(caught_up.length_B) >= np.asarray(proposed.length_B)).all()
+  slot = np.arange(proposed.k_LBKES.shape[-1])
+  for b, length in enumerate(np.asarray(proposed.length_B)):
+    assert length > 0
+    for a, c in ((proposed.k_LBKES, caught_up.k_LBKES), (proposed.v_LBKES, caught_up.v_LBKES)):
+      np.testing.assert_allclose(np.asarray(c)[:, b][..., slot < length],
+                                 np.asarray(a)[:, b][..., slot < length], rtol=1e-5, atol=1e-6)

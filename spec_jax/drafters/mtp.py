@@ -105,13 +105,38 @@ class MTPDrafter(Drafter):
 
   def propose(self, params, state: MTPState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
-    pos_B = ctx.position_B
     keys = jax.random.split(key, gamma)
+    probs, history = [], ctx.history
+
+    def draw_module(k, logits_BV):
+      nonlocal history
+      d_B, q_BV = draw(keys[k - 1], logits_BV, sampling, history)
+      history = None if history is None else history.push(d_B)
+      probs.append(q_BV)
+      return d_B
+
+    drafts_BG, state = self.windows(params, state, ctx, gamma, draw_module)
+    probs_BGV = None if sampling.is_greedy else jnp.stack(probs, axis=1)
+    return drafts_BG, probs_BGV, state
+
+  def catch_up(self, params, state: MTPState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array) -> MTPState:
+    # a round that verifies none of its drafts (gamma="auto"'s plain steps, a combination's
+    # other drafter): the windows without drafting. Entries below L-gamma+1 come out exact
+    # as in propose (they read known tokens only); the draft-fed ones past them are
+    # provisional either way, rewritten by the next window. No draws: the modules' heads
+    # (113 MB each on SmolLM2) are dead code.
+    return self.windows(params, state, ctx, gamma, None)[1]
+
+  def windows(self, params, state: MTPState, ctx: DraftContext, gamma: int, draw_module):
+    """Modules 1..gamma over the window L-2*gamma .. L-1, in order; module k's input tokens
+    past x_L are the drafts draw_module(k, logits_BV) made (zeros when draw_module is None)
+    -> (drafts_BG, state)."""
+    pos_B = ctx.position_B
     pos_BW = window_positions(pos_B, 2 * gamma)
     h_BWD = gather_positions(state.features_BSD, pos_BW)
     cache = state.cache
     drafts_BG = jnp.zeros((pos_B.shape[0], gamma), jnp.int32)
-    probs, history = [], ctx.history
     for k in range(1, gamma + 1):
       token_pos_BW = pos_BW + k  # module k reads x_{i+k}: known up to x_L, then drafts
       from_draft_BW = gather_positions(drafts_BG, token_pos_BW - pos_B[:, None] - 1)
@@ -119,14 +144,11 @@ class MTPDrafter(Drafter):
                             gather_positions(ctx.seq_BS, token_pos_BW), from_draft_BW)
       logits_B1V, h_BWD, cache = self.model.apply_module(params, k, h_BWD, tokens_BW, pos_BW,
                                                          cache, last_logits_only=True)
-      d_B, q_BV = draw(keys[k - 1], logits_B1V[:, 0], sampling, history)
-      history = None if history is None else history.push(d_B)
-      drafts_BG = drafts_BG.at[:, k - 1].set(d_B)
-      probs.append(q_BV)
-    probs_BGV = None if sampling.is_greedy else jnp.stack(probs, axis=1)
+      if draw_module is not None:
+        drafts_BG = drafts_BG.at[:, k - 1].set(draw_module(k, logits_B1V[:, 0]))
     # module k is exact for i <= L-k: below L-gamma+1 in all of the modules used
     cache = cache.with_length(jnp.maximum(pos_B - gamma + 1, 0))
-    return drafts_BG, probs_BGV, MTPState(cache, state.features_BSD)
+    return drafts_BG, MTPState(cache, state.features_BSD)
 
   def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
