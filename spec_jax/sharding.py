@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from spec_jax import adaptive
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.generate import generate_jit, budgets_array, check_generation_args, key_and_eos
 from spec_jax.core.kv_cache import KVCache
@@ -438,7 +439,7 @@ def sharded_generate(model, params, prompt_tokens_BP, prompt_lengths_B, *, mesh:
 
 
 def prepare_speculative(target, params, drafter, draft_params, prompt_tokens_BP,
-                        prompt_lengths_B, *, mesh: Mesh, gamma: int, max_new_tokens: int,
+                        prompt_lengths_B, *, mesh: Mesh, gamma, max_new_tokens: int,
                         rules: ShardingRules = DEFAULT_RULES,
                         draft_rules: ShardingRules = DRAFT_RULES,
                         sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
@@ -446,17 +447,30 @@ def prepare_speculative(target, params, drafter, draft_params, prompt_tokens_BP,
                         cache_len: int | None = None, verifier=verify):
   """As prepare_generate, for speculative generation -> (program, args).
 
+  gamma: an int, or "auto" / an AdaptiveConfig (spec_jax.adaptive): adaptive rounds, their
+  cost table measured once on the mesh, with these params, when the config has none.
   `program(*args)` returns (GenerationOutput, target cache, drafter state).
   """
   on_mesh = ShardedModel(target, mesh, rules)
   _check_on_mesh(params, mesh, "parameter")
   _check_on_mesh(draft_params, mesh, "draft parameter")
-  unsharded, (tokens, lengths, budgets, eos, pad, key) = prepare(
-      on_mesh, _on_mesh(drafter, mesh, draft_rules), prompt_tokens_BP, prompt_lengths_B,
-      gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, key=key,
+  drafter = _on_mesh(drafter, mesh, draft_rules)
+  config = adaptive.as_config(gamma, drafter)
+  if config is not None:
+    if drafter.is_tree:
+      raise ValueError("gamma='auto' adapts chain drafters; a tree drafter's node budget does "
+                       "not adapt yet")
+    config = config.resolved()
+    gamma = config.gamma_max
+  unsharded, host_args = prepare(
+      on_mesh, drafter, prompt_tokens_BP, prompt_lengths_B, gamma=gamma,
+      max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, key=key,
       budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len, verifier=verifier)
-  inputs, key_impl = _place_inputs(mesh, rules, tokens, lengths, budgets, eos, pad, key)
-  return _spec_program(unsharded, tokens.shape[0], key_impl), (params, draft_params, *inputs)
+  if config is not None:
+    unsharded = adaptive.with_measured_costs(adaptive.configure(unsharded, config), params,
+                                             draft_params, host_args)
+  inputs, key_impl = _place_inputs(mesh, rules, *host_args)
+  return _spec_program(unsharded, host_args[0].shape[0], key_impl), (params, draft_params, *inputs)
 
 
 def sharded_speculative_generate(target, params, drafter, draft_params, prompt_tokens_BP,

@@ -47,17 +47,26 @@ def tokens_of(out) -> dict:
   report = {"tokens": np.asarray(out.tokens).tolist(),
             "num_tokens": np.asarray(out.num_tokens).tolist()}
   if out.metrics is not None:
-    report["accept_hist"] = summarize(out.metrics)["accept_hist"]
+    summary = summarize(out.metrics)
+    report["accept_hist"] = summary["accept_hist"]
+    if "adaptive" in summary:  # gamma="auto": rounds per verification width
+      report["width_rounds"] = {str(w): n for w, n in summary["adaptive"]["width_rounds"].items()}
   return report
 
 
 def run_all(case, gen, spec) -> dict:
   """Greedy and sampled, autoregressive and speculative, through the given entry points."""
+  from spec_jax.adaptive import AdaptiveConfig
   from spec_jax.drafters.draft_model import DraftModelDrafter
   t, tp, dp = case["target"], case["params"], case["draft_params"]
   drafter = DraftModelDrafter(t)
   sampled = dict(sampling=case["sampling"], key=case["key"])
+  # adaptive rounds with a fixed cost table (flat, free drafts: every width gets used), so
+  # sharded and single-device runs make the same decisions
+  auto = AdaptiveConfig(GAMMA, target_costs=(1.0, 1.0, 1.0, 1.0), draft_cost=0.0)
   return {
+      "sp_auto_greedy": tokens_of(spec(t, tp, drafter, dp, *case["prompts"], gamma=auto,
+                                       max_new_tokens=NEW)),
       "ar_greedy": tokens_of(gen(t, tp, *case["prompts"], max_new_tokens=NEW)),
       "ar_sampled": tokens_of(gen(t, tp, *case["prompts"], max_new_tokens=NEW, **sampled)),
       "sp_greedy": tokens_of(spec(t, tp, drafter, dp, *case["prompts"], gamma=GAMMA,
@@ -109,6 +118,9 @@ def mesh_checks(case, mesh) -> dict:
                                          draft_params, *case["prompts"], mesh=mesh, gamma=GAMMA,
                                          max_new_tokens=NEW)
   out, cache, draft_state = program(*args)
+  if mesh.shape["data"] == 2:  # gamma="auto" with its cost table measured on the mesh
+    report["auto_measured"] = tokens_of(spec(case["target"], params, DraftModelDrafter(
+        case["target"]), draft_params, *case["prompts"], gamma="auto", max_new_tokens=NEW))
   report.update(cache=layout(cache.k_LBKES), cache_v=layout(cache.v_LBKES),
                 draft_cache=layout(draft_state.cache.k_LBKES),
                 draft_cache_v=layout(draft_state.cache.v_LBKES),

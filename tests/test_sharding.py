@@ -29,7 +29,7 @@ from spec_jax import sharding as sh
 HERE = Path(__file__).resolve().parent
 DEADLINE_S = 300  # all subprocesses together; ~50 s on 2 idle cores, more when others run
 MESHES = ("1x8", "2x4", "8x1")
-RUNS = ("ar_greedy", "ar_sampled", "sp_greedy", "sp_sampled")
+RUNS = ("ar_greedy", "ar_sampled", "sp_greedy", "sp_sampled", "sp_auto_greedy")
 HEAD_DIM = 8
 
 
@@ -122,6 +122,12 @@ def test_sharded_tokens_identical_to_single_device(single, meshes, mesh):
   for run in RUNS:
     assert outputs[run] == single[run], f"{mesh} {run}"
   assert single["sp_greedy"] == dict(single["ar_greedy"], accept_hist=ANY)  # lossless
+  assert single["sp_auto_greedy"] == dict(single["ar_greedy"], accept_hist=ANY,
+                                          width_rounds=ANY)
+  assert sum(n > 0 for n in single["sp_auto_greedy"]["width_rounds"].values()) >= 2
+  if mesh == "2x4":  # gamma="auto", its cost table measured on the mesh: still lossless
+    assert meshes[mesh]["auto_measured"] == dict(single["ar_greedy"], accept_hist=ANY,
+                                                 width_rounds=ANY)
   hist = single["sp_greedy"]["accept_hist"]  # rounds that accepted 0..gamma drafts
   assert sum(h > 0 for h in hist) >= 2, hist  # acceptance is ragged, not all or nothing
 
