@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "--draft medusa/eagle/mtp (or draft_model)")
   p.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES", type=cli.tree_spec,
                  help=f"verify a token tree instead of a chain ({', '.join(tree_drafter_kinds())}), "
-                      "e.g. 4,3,16; --gamma is then unused")
+                      "e.g. 4,3,16; --gamma is then unused unless auto (each round: the tree "
+                      "or plain steps)")
   p.add_argument("--gamma", type=gamma_arg, default=4,
                  help="drafted tokens per round, or 'auto': per-row lengths and per-round "
                       "verification widths from measured costs (spec_jax.adaptive)")
@@ -183,11 +184,13 @@ def main(argv=None) -> int:
                 key=jax.random.key(args.seed))
 
   is_tree = drafter is not None and drafter.is_tree
-  gamma = drafter.max_depth if is_tree else args.gamma
+  gamma = args.gamma if args.gamma == "auto" or not is_tree else drafter.max_depth
+  # a tree's depth is its draft length; with --gamma auto its rounds pick the tree or plain steps
+  spec_gamma = gamma if not is_tree or gamma == "auto" else None
 
   def run_spec():
-    return speculate(target, params, drafter, draft_params, tokens, lengths,
-                     gamma=None if is_tree else gamma, **common)
+    return speculate(target, params, drafter, draft_params, tokens, lengths, gamma=spec_gamma,
+                     **common)
 
   def run_ar():
     return generate(target, params, tokens, lengths, **common)
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
       raise BadArgument("--stream runs the speculative loop in chunks: it needs a drafter")
     from spec_jax.streaming import speculative_chunks, stream_text
     chunks = speculative_chunks(target, params, drafter, draft_params, tokens, lengths,
-                                gamma=None if is_tree else gamma, **common)
+                                gamma=spec_gamma, **common)
     for piece in stream_text(chunks, tokenizer, prompts):
       print(piece, end="", flush=True)
     print()
@@ -242,6 +245,7 @@ def main(argv=None) -> int:
         f"(compile {report['compile_seconds']:.1f} s)")
   if "mean_accepted" in report:
     shape = f"tree {args.tree} (depth,top-k,nodes)" if is_tree else f"gamma {gamma}"
+    shape += ", gamma auto" if is_tree and gamma == "auto" else ""
     print(f"{shape}: mean accepted {report['mean_accepted']:.2f} drafts/round "
           f"({report['mean_accepted_with_bonus']:.2f} tokens/round with the bonus), "
           f"acceptance rate {report['acceptance_rate']:.2%}, {report['target_calls']} target passes")

@@ -124,14 +124,24 @@ class AdaptiveConfig:
   draft_cost: float | None = None
   first_draft_cost: float | None = None
   rules: AdaptiveRules = AdaptiveRules()
+  # a tree drafter's node budget (set by configure: widths are then (1, tree_nodes), a plain
+  # step or the whole tree, and gamma_max the tree's depth)
+  tree_nodes: int | None = None
 
   def resolved(self) -> "AdaptiveConfig":
     """Validated, with defaults filled in (raises ValueError with the reason)."""
     g = self.gamma_max
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
       raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
-    widths = default_widths(int(g)) if self.widths is None else tuple(int(w) for w in self.widths)
-    if list(widths) != sorted(set(widths)) or widths[0] != 1 or widths[-1] != g + 1:
+    if self.tree_nodes is not None:
+      widths = (1, int(self.tree_nodes))
+      if self.widths is not None and tuple(self.widths) != widths:
+        raise ValueError(f"a tree round verifies the whole tree or runs a plain step: widths "
+                         f"{widths}, got {self.widths}")
+    else:
+      widths = default_widths(int(g)) if self.widths is None else tuple(int(w) for w in self.widths)
+    if self.tree_nodes is None and (list(widths) != sorted(set(widths)) or widths[0] != 1
+                                    or widths[-1] != g + 1):
       raise ValueError(f"widths must be increasing, start at 1 and end at gamma_max + 1 = "
                        f"{g + 1}, got {widths}")
     if self.target_costs is not None:
@@ -326,28 +336,8 @@ class AdaptiveRound:
                                 cost_G1, probe, planned, s)
 
     def plain_steps(s):
-      # Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
-      # table rules drafting out), in an inner loop, so that an undrafted stretch costs what
-      # autoregressive decoding does and not a whole round's bookkeeping (two conditionals,
-      # the rules) per token, nor one per probe_every tokens (capped there, a useless draft
-      # ran at 0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a
-      # stretch, so ending it earlier would only plan no drafts again. A drafter that can
-      # skip rounds catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step.
-      n = jnp.where(can_probe, jnp.maximum(stats.probe_interval - stats.idle_rounds, 1),
-                    jnp.iinfo(jnp.int32).max)
-      zeros_B = jnp.zeros_like(s.pending_B)
-      if drafter.skips_rounds:
-        return self.plain_stretch(target, drafter, sampling, params, draft_params, lengths_B,
-                                  budget_B, eos_id, n, s)
-
-      def one(c):
-        i, row_rounds, s = c
-        new, _ = step(s, 1, zeros_B, None, None, draft_state=None)
-        return i + 1, row_rounds + jnp.sum(~s.done_B), new
-
-      steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
-                                                one, (jnp.int32(0), jnp.int32(0), s))
-      return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
+      return self.plain_steps(target, drafter, gamma, sampling, verifier, params, draft_params,
+                              lengths_B, budget_B, eos_id, can_probe, s)
 
     draft_now = planned > 0
     zeros_B = jnp.zeros_like(s.pending_B)
@@ -357,9 +347,38 @@ class AdaptiveRound:
         draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
     stats = stats.update(~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
                          learning_rate=rules.learning_rate, schedule=rules.schedule,
-                         probe_every=rules.probe_every, probe_growth=rules.probe_growth, rounds=steps,
-                         plain_row_rounds=plain_row_rounds, empty_B=empty_B)
+                         probe_every=rules.probe_every, probe_growth=rules.probe_growth,
+                         rounds=steps, plain_row_rounds=plain_row_rounds, empty_B=empty_B)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+  def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
+                  lengths_B, budget_B, eos_id, can_probe, s):
+    """Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
+    table rules drafting out), in an inner loop, so that an undrafted stretch costs what
+    autoregressive decoding does and not a whole round's bookkeeping (two conditionals, the
+    rules) per token, nor one per probe_every tokens (capped there, a useless draft ran at
+    0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a stretch,
+    so ending it earlier would only plan no drafts again. A drafter that can skip rounds
+    catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step.
+    -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B)."""
+    stats: AdaptiveStats = s.metrics.adaptive
+    n = jnp.where(can_probe, jnp.maximum(stats.probe_interval - stats.idle_rounds, 1),
+                  jnp.iinfo(jnp.int32).max)
+    zeros_B = jnp.zeros_like(s.pending_B)
+    if drafter.skips_rounds:
+      return self.plain_stretch(target, drafter, sampling, params, draft_params, lengths_B,
+                                budget_B, eos_id, n, s)
+    step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
+                             draft_params, lengths_B, budget_B, eos_id)
+
+    def one(c):
+      i, row_rounds, s = c
+      new, _ = step(s, 1, zeros_B, None, None, draft_state=None)
+      return i + 1, row_rounds + jnp.sum(~s.done_B), new
+
+    steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
+                                              one, (jnp.int32(0), jnp.int32(0), s))
+    return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
 
   def plain_stretch(self, target, drafter, sampling, params, draft_params, lengths_B, budget_B,
                     eos_id, n, s):
@@ -488,6 +507,58 @@ class AdaptiveRound:
     return new, num_accepted_B
 
 
+@dataclasses.dataclass(frozen=True)
+class AdaptiveTreeRound(AdaptiveRound):
+  """gamma="auto" for a tree drafter: each round runs the whole tree or plain steps.
+
+  The choice is made before anything is drawn, from past rounds only (so it is lossless,
+  as planned_drafts is for chains): expected tokens of a tree round, one per active row plus
+  the survival of each depth (the product of per-depth acceptance estimates, updated from
+  the accepted path lengths), against its cost (target pass over the tree's nodes plus
+  propose_tree) and a plain step's. When the tree does not pay, plain steps run until the
+  next probe, as for chains. The node budget adapts between none and the drafter's (one
+  compiled tree; intermediate budgets would each be another compiled drafter)."""
+
+  def __call__(self, target, drafter, gamma, sampling, verifier, params, draft_params,
+               lengths_B, budget_B, eos_id, s):
+    from spec_jax.tree_speculative import tree_speculative_round  # (imports speculative)
+    cfg, rules = self.config, self.config.rules
+    stats: AdaptiveStats = s.metrics.adaptive
+    (plain_cost, tree_cost), draft_cost = cfg.cost_table()[0], float(cfg.draft_cost or 0.0)
+    tree_cost += draft_cost
+    active_B = ~s.done_B
+    # static: a tree round whose deepest path were always accepted would beat a plain step
+    can_probe = (1 + gamma) * plain_cost > tree_cost
+    probe = (stats.idle_rounds >= stats.probe_interval) & can_probe
+    survival_BG = jnp.cumprod(jnp.minimum(stats.estimate_BG, 1.0), axis=1)
+    rows = jnp.sum(active_B).astype(jnp.float32)
+    tokens = rows + jnp.sum(jnp.where(active_B[:, None], survival_BG, 0.0))
+    tree_now = (tokens * plain_cost > rows * tree_cost) | probe
+
+    def tree_round(s):
+      new = tree_speculative_round(target, drafter, gamma, sampling, verifier, params,
+                                   draft_params, lengths_B, budget_B, eos_id, s)
+      num_accepted_B = new.metrics.accepted_B - s.metrics.accepted_B
+      admitted_B = jnp.where(active_B, gamma, 0).astype(jnp.int32)  # every depth verified
+      return (new, admitted_B, num_accepted_B, jnp.int32(1), jnp.int32(1), jnp.int32(0),
+              jnp.zeros_like(active_B))
+
+    def plain_steps(s):
+      return self.plain_steps(target, drafter, gamma, sampling, verifier, params, draft_params,
+                              lengths_B, budget_B, eos_id, can_probe, s)
+
+    zeros_B = jnp.zeros_like(s.pending_B)
+    outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
+               jnp.zeros_like(s.done_B))
+    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
+        tree_now, lambda o: tree_round(o[0]), lambda o: plain_steps(o[0]), outputs)
+    stats = stats.update(active_B, admitted_B, num_accepted_B, w_idx, tree_now, probe,
+                         learning_rate=rules.learning_rate, schedule=False,
+                         probe_every=rules.probe_every, probe_growth=rules.probe_growth,
+                         rounds=steps, plain_row_rounds=plain_row_rounds, empty_B=empty_B)
+    return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+
 def _adaptive_program_class():
   from spec_jax.speculative import SpeculativeProgram
 
@@ -513,16 +584,23 @@ def adaptive_program_class():
 
 
 def configure(program, config: AdaptiveConfig):
-  """A chain program (prepared with gamma = config.gamma_max) running adaptive rounds."""
-  if program.drafter.is_tree:
-    raise ValueError("gamma='auto' is for chain drafters; a tree's node budget does not adapt yet")
-  config = config.resolved()
+  """A program running adaptive rounds: a chain program prepared with gamma =
+  config.gamma_max, or a tree program (its rounds then choose between the whole tree and
+  plain steps: AdaptiveTreeRound)."""
+  drafter = program.drafter
+  if drafter.is_tree:
+    config = dataclasses.replace(config, gamma_max=drafter.max_depth,
+                                 tree_nodes=drafter.num_nodes).resolved()
+    round_fn = AdaptiveTreeRound(config)
+  else:
+    config = config.resolved()
+    round_fn = AdaptiveRound(config)
   if program.gamma != config.gamma_max:
     raise ValueError(f"the program drafts {program.gamma}, the config's gamma_max is "
                      f"{config.gamma_max}")
   fields = {f.name: getattr(program, f.name) for f in dataclasses.fields(program)
             if f.name != "adaptive"}
-  fields["round_fn"] = AdaptiveRound(config)
+  fields["round_fn"] = round_fn
   return adaptive_program_class()(**fields, adaptive=config)
 
 
@@ -597,6 +675,10 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
     def one(_, c):
       draft_state, pending_B = c
       ctx = DraftContext(s.seq_BS, s.cache.length_B, pending_B, None, max_drafts)
+      if program.drafter.is_tree:  # (trees draft whole: max_drafts is not read)
+        tree, draft_state = program.drafter.propose_tree(draft_params, draft_state, ctx,
+                                                         program.sampling, key)
+        return draft_state, tree.tokens_BN[:, -1]
       drafts_BG, _, draft_state = program.drafter.propose(draft_params, draft_state, ctx,
                                                           cfg.gamma_max, program.sampling, key)
       return draft_state, drafts_BG[:, -1]

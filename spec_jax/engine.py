@@ -37,18 +37,20 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
   """Validates everything on the host -> (program, its array arguments after the params).
 
   Chains draft `gamma` tokens a round; a tree drafter's depth sets its draft length (gamma
-  must be None). gamma="auto" (or a spec_jax.adaptive.AdaptiveConfig) adapts the draft length
-  per row and the verification width per round (spec_jax.adaptive); without a cost table
-  this uses default costs (`speculate` measures them). `verifier` defaults to verify
+  must be None or "auto"). gamma="auto" (or a spec_jax.adaptive.AdaptiveConfig) adapts the
+  draft length per row and the verification width per round (spec_jax.adaptive; a tree's
+  rounds choose between the whole tree and plain steps); without a cost table this uses
+  default costs (`speculate` measures them). `verifier` defaults to verify
   (chains) or verify_tree (trees).
   """
   common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, key=key,
                 budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len)
   adaptive_config = adaptive.as_config(gamma, drafter)
   if adaptive_config is not None:  # gamma="auto": per-row lengths, per-round widths
-    if drafter.is_tree:
-      raise ValueError("gamma='auto' adapts chain drafters; a tree drafter's node budget does "
-                       "not adapt yet: pass gamma=None")
+    if drafter.is_tree:  # each round: the whole tree, or plain steps
+      program, args = prepare_tree(target, drafter, prompt_tokens_BP, prompt_lengths_B,
+                                   verifier=verifier or verify_tree, **common)
+      return adaptive.configure(program, adaptive_config), args
     config = adaptive_config.resolved()
     program, args = prepare(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                             gamma=config.gamma_max, verifier=verifier or verify, **common)

@@ -318,3 +318,64 @@ def test_probe_interval_grows_after_empty_probes_and_resets_after_a_hit():
   hit = stats.update(active_B, admitted_B, jnp.array([0, 1]), 1, jnp.bool_(True),
                      jnp.bool_(True), **kw)
   assert int(hit.probe_interval) == 8
+
+
+# --- trees: each round the whole tree or plain steps -------------------------------------------
+
+def _tree_auto(tree_cost, learning_rate=0.3):
+  return AdaptiveConfig(target_costs=(1.0, tree_cost), draft_cost=0.0,
+                        rules=AdaptiveRules(learning_rate=learning_rate))
+
+
+def test_greedy_identity_with_adaptive_trees(stories, ragged):
+  """A draft-model tree with gamma=auto: the same tokens as autoregressive decoding, with
+  tree rounds and plain steps both used (a tree costing 2 steps pays only while drafts are
+  accepted), one compile for the program."""
+  from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
+  model, params = stories
+  prompts, budgets, ref = ragged
+  drafter = DraftModelTreeDrafter(model, depth=3, top_k=2, nodes=7)
+  program, _ = prepare_program(model, drafter, *prompts, gamma="auto", max_new_tokens=NEW)
+  assert program.adaptive.widths == (1, 7) and program.gamma == 3
+  out = speculate(model, params, drafter, perturbed(params, 0.3, seed=1), *prompts,
+                  gamma=_tree_auto(2.0), max_new_tokens=NEW, budgets_B=budgets, eos_id=1)
+  assert np.array_equal(out.tokens, ref.tokens)
+  assert np.array_equal(out.num_tokens, ref.num_tokens)
+  m = summarize(out.metrics)
+  widths = m["adaptive"]["width_rounds"]
+  assert widths[1] > 0 and widths[7] > 0, widths
+  assert sum(widths.values()) == m["rounds"]
+  with pytest.raises(ValueError, match="whole tree"):
+    prepare_program(model, drafter, *prompts, max_new_tokens=NEW,
+                    gamma=AdaptiveConfig(widths=(1, 2, 3)))
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_sampled_distribution_with_adaptive_trees(small_pair, leak):
+  """Tree rounds, then plain steps where the estimates say the tree no longer pays (with a
+  learning rate of 1 a row that accepted nothing expects 1 token of the tree, which costs
+  2.05 steps): the joint distribution of the first DEPTH tokens stays the target's. The
+  control peeks at the verdict (the tree verifier redraws the next token from p where it
+  accepted nothing) and must fail."""
+  from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
+  from spec_jax.tree_verify import verify_tree
+  from test_tree import SMALL_SHAPES
+  sampling = SamplingConfig(1.0)
+  target, tp, draft, dp = small_pair
+  joint = exact_joint(target, tp, PROMPT, DEPTH, sampling)
+
+  def peeking_tree_verifier(tree, logits_BNV, sampling, key):
+    path_BR1, num_accepted_B, next_B = verify_tree(tree, logits_BNV, sampling, key)
+    from spec_jax.core.sampling import sample
+    fresh_B = sample(jax.random.fold_in(key, 1), logits_BNV[:, 0], sampling)
+    return path_BR1, num_accepted_B, jnp.where(num_accepted_B == 0, fresh_B, next_B)
+
+  out = speculate(target, tp, DraftModelTreeDrafter(draft, **SMALL_SHAPES["dynamic"]), dp,
+                  *pad_prompts([PROMPT] * SAMPLES), gamma=_tree_auto(2.05, learning_rate=1.0),
+                  max_new_tokens=DEPTH, sampling=sampling, key=jax.random.key(1),
+                  verifier=peeking_tree_verifier if leak else None)
+  assert (np.asarray(out.num_tokens) == DEPTH).all()
+  widths = summarize(out.metrics)["adaptive"]["width_rounds"]
+  assert widths[1] > 0 and widths[5] > 0, widths
+  p = pvalue_vs_exact(out.tokens, joint)
+  assert p < SIGNIFICANCE if leak else p > SIGNIFICANCE

@@ -556,7 +556,7 @@ def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, traine
   assert summarize(out.metrics)["adaptive"]["width_rounds"].get(HEADS + 1, 0) > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "eagle_tree"])
 def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kind):
   """EAGLE's and MTP's catch_up (no drafting, no heads) leave the drafter's cache as propose
   does at every slot propose marks exact (below its length), with at least that length; the
@@ -564,7 +564,7 @@ def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kin
   few sampled rounds, so the windows start mid-sequence."""
   from spec_jax.speculative import speculative_generate
   target, tp = tiny_target
-  spec, own = _random_head(kind, target, num_heads=3)
+  spec, own = _random_head(kind.removesuffix("_tree"), target, num_heads=3)
   head_params = spec.draft_params(own, target, tp)
   drafter = spec.drafter
   tokens, lengths = pad_prompts([[3, 1, 4, 1, 5, 2, 6], [5], [2, 7, 1, 0]])
@@ -575,6 +575,10 @@ def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kin
   ctx = DraftContext(seq, now, seq[jnp.arange(3), now])
   args = (head_params, state, ctx, 3, SamplingConfig(), jax.random.key(0))
   proposed = jax.jit(drafter.propose, static_argnums=(3, 4))(*args)[2].cache
+  if kind == "eagle_tree":  # the tree's window (depth 3 + 1) on the chain drafter's state
+    drafter = EagleTreeDrafter(drafter.model, depth=3, top_k=2, nodes=7)
+    proposed = jax.jit(drafter.propose_tree, static_argnums=3)(
+        head_params, state, ctx, SamplingConfig(), jax.random.key(0))[1].cache
   caught_up = jax.jit(drafter.catch_up, static_argnums=(3, 4))(*args).cache
   assert (np.asarray(caught_up.length_B) >= np.asarray(proposed.length_B)).all()
   slot = np.arange(proposed.k_LBKES.shape[-1])
@@ -583,3 +587,21 @@ def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kin
     for a, c in ((proposed.k_LBKES, caught_up.k_LBKES), (proposed.v_LBKES, caught_up.v_LBKES)):
       np.testing.assert_allclose(np.asarray(c)[:, b][..., slot < length],
                                  np.asarray(a)[:, b][..., slot < length], rtol=1e-5, atol=1e-6)
+
+
+def test_eagle_tree_with_auto_is_greedy_identical(stories, story_reference, trained):
+  """gamma="auto" with a trained EAGLE tree: rounds choose the tree or plain steps (a tree
+  costing 2.5 steps pays only while it is accepted), output identical to autoregressive."""
+  from spec_jax.adaptive import AdaptiveConfig
+  from spec_jax.engine import speculate
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("eagle")
+  tree = EagleTreeDrafter(spec.drafter.model, depth=3, top_k=2, nodes=8)
+  out = speculate(model, params, tree, spec.draft_params(own, model, params), *prompts,
+                  gamma=AdaptiveConfig(target_costs=(1.0, 2.5), draft_cost=0.2),
+                  max_new_tokens=NEW, eos_id=1)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  widths = summarize(out.metrics)["adaptive"]["width_rounds"]
+  assert widths[8] > 0, widths

@@ -194,6 +194,12 @@ class TreeDrafter(Drafter):
                    key: jax.Array):
     raise NotImplementedError
 
+  def catch_up(self, params, state, ctx: DraftContext, gamma: int, sampling: SamplingConfig,
+               key: jax.Array) -> Any:
+    """As Drafter.catch_up (gamma: the tree's max depth): by default propose the tree and
+    drop it."""
+    return self.propose_tree(params, state, ctx, sampling, key)[1]
+
 
 def check_feature_layers(layers: tuple[int, ...], target, who: str) -> None:
   """Host-side: the target can return the outputs of `layers` (ids inside its stack)."""

@@ -77,6 +77,15 @@ def eagle_window(model, params, state: EagleState, ctx: DraftContext, width: int
   return logits_B1V[:, 0], feats_BWD[:, -1], cache
 
 
+def eagle_catch_up(model, params, state: EagleState, ctx: DraftContext, width: int):
+  """A round that verifies none of its drafts (gamma="auto"'s plain steps): the true-feature
+  window alone keeps every entry below L exact, which is all the next window relies on; the
+  drafting steps or tree levels and the head (113 MB a step on SmolLM2) would be thrown
+  away."""
+  _, _, cache = eagle_window(model, params, state, ctx, width)
+  return EagleState(cache.with_length(ctx.position_B), state.features_BSD)
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
   model: object  # spec_jax.models.drafter_heads.EagleModel (hashable); params: HeadParams
@@ -106,11 +115,7 @@ class EagleDrafter(Drafter):
 
   def catch_up(self, params, state: EagleState, ctx: DraftContext, gamma: int,
                sampling: SamplingConfig, key: jax.Array) -> EagleState:
-    # a round that verifies none of its drafts (gamma="auto"'s plain steps): the true-feature
-    # window alone keeps every entry below L exact, which is all the next window relies on;
-    # the drafting steps and the head (113 MB a step on SmolLM2) would be thrown away
-    _, _, cache = eagle_window(self.model, params, state, ctx, gamma + 1)
-    return EagleState(cache.with_length(ctx.position_B), state.features_BSD)
+    return eagle_catch_up(self.model, params, state, ctx, gamma + 1)
 
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
@@ -157,6 +162,10 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
       tree, (cache, _) = grow_static_tree(self.spec, root_logp_BV, ctx.pending_B, expand,
                                           (cache, feats_BMD))
     return tree, EagleState(cache.with_length(ctx.position_B), state.features_BSD)
+
+  def catch_up(self, params, state: EagleState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array) -> EagleState:
+    return eagle_catch_up(self.model, params, state, ctx, self.max_depth + 1)
 
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
