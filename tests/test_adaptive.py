@@ -43,7 +43,8 @@ def ragged(stories, story_prompts):
   return prompts, budgets, ref
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "prompt_lookup", "lookup+draft_model", "layer_skip"])
+@pytest.mark.parametrize("kind", ["draft_model", "prompt_lookup", "lookup+draft_model", "layer_skip",
+                                  "quantized"])
 def test_greedy_identity_with_adaptive_lengths(stories, ragged, kind):
   model, params = stories
   prompts, budgets, ref = ragged

@@ -102,6 +102,22 @@ def test_greedy_identity(tiny_target, kind, gamma):
   assert summarize(out.metrics)["mean_accepted"] > 0.05  # some drafts were accepted
 
 
+def test_dflash_with_auto_is_greedy_identical(tiny_target):
+  # gamma="auto" with a DFlash block (no confidence head: the rules read its top
+  # probabilities); "auto" drafts at most the block's DRAFTS slots
+  from spec_jax.engine import speculate
+  target, tp = tiny_target
+  spec, own = _random_drafter("dflash", target)
+  assert spec.drafter.max_gamma == DRAFTS
+  prompts = pad_prompts(PROMPTS)
+  reference = generate(target, tp, *prompts, max_new_tokens=24, eos_id=0)
+  out = speculate(target, tp, spec.drafter, spec.draft_params(own, target, tp), *prompts,
+                  gamma="auto", max_new_tokens=24, eos_id=0)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  assert max(summarize(out.metrics)["adaptive"]["width_rounds"]) == DRAFTS + 1
+
+
 def test_adaptive_rounds_read_dspark_confidences(tiny_target):
   # gamma="auto" truncates DSpark's blocks with its confidence head: greedy output unchanged,
   # and confidences of 0 (a head that expects every draft to fail) admit nothing but probes

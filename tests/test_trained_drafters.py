@@ -545,8 +545,6 @@ def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, traine
   with pytest.raises(ValueError, match="at most"):  # an explicit gamma_max is taken as asked
     prepare_program(model, drafter, *prompts, gamma=adaptive.AdaptiveConfig(gamma_max=8),
                     max_new_tokens=NEW)
-  if kind != "mtp":  # one run is enough for the loop (a compile costs ~20 s)
-    return
   # a fixed table (what measure_costs returns) where drafting pays: drafted rounds run
   monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: ((1.0, 1.1, 1.2, 1.3), 0.1, 0.05))
   out = speculate(model, params, drafter, spec.draft_params(own, model, params), *prompts,
