@@ -118,7 +118,7 @@ class AdaptiveConfig:
   m; a block drafter or lookup costs the same at any m). None: `speculate` measures them
   once (measure_costs), prepare_program uses default_costs; first_draft_cost alone None: half
   of draft_cost."""
-  gamma_max: int = DEFAULT_GAMMA_MAX
+  gamma_max: int | None = None  # None: DEFAULT_GAMMA_MAX, or the drafter's max_gamma if less
   widths: tuple[int, ...] | None = None
   target_costs: tuple[float, ...] | None = None
   draft_cost: float | None = None
@@ -130,7 +130,7 @@ class AdaptiveConfig:
 
   def resolved(self) -> "AdaptiveConfig":
     """Validated, with defaults filled in (raises ValueError with the reason)."""
-    g = self.gamma_max
+    g = DEFAULT_GAMMA_MAX if self.gamma_max is None else self.gamma_max
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
       raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
     if self.tree_nodes is not None:
@@ -151,7 +151,8 @@ class AdaptiveConfig:
     if self.first_draft_cost is not None:
       check_costs(widths, default_costs(widths), self.first_draft_cost)
     r = self.rules
-    if not 1 <= r.initial_gamma or r.probe_every < 1 or not 0 < r.learning_rate <= 1:
+    if (not 1 <= r.initial_gamma or r.probe_every < 1 or not 0 < r.learning_rate <= 1
+        or not isinstance(r.probe_growth, (int, np.integer)) or r.probe_growth < 1):
       raise ValueError(f"bad adaptive rules: {r}")
     costs = None if self.target_costs is None else tuple(float(c) for c in self.target_costs)
     return dataclasses.replace(self, gamma_max=int(g), widths=widths, target_costs=costs)
@@ -189,19 +190,20 @@ def check_costs(widths, target_costs, draft_cost) -> None:
 
 
 def as_config(gamma, drafter=None) -> AdaptiveConfig | None:
-  """gamma="auto" -> the default config, its gamma_max capped at what the drafter can draft
-  (Drafter.max_gamma: MTP's modules, Medusa's heads, a block's slots); an AdaptiveConfig ->
-  itself (an explicit gamma_max the drafter cannot hold is its check's error); an int ->
-  None."""
-  if isinstance(gamma, AdaptiveConfig):
-    return gamma
+  """gamma="auto" -> the default config; an AdaptiveConfig -> itself; an int -> None. A
+  config without gamma_max gets DEFAULT_GAMMA_MAX capped at what the drafter can draft
+  (Drafter.max_gamma: MTP's modules, Medusa's heads, a block's slots); an explicit gamma_max
+  the drafter cannot hold is its check's error."""
   if isinstance(gamma, str):
     if gamma != "auto":
       raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
-    limit = None if drafter is None else drafter.max_gamma
-    return AdaptiveConfig(gamma_max=DEFAULT_GAMMA_MAX if limit is None
-                          else min(DEFAULT_GAMMA_MAX, int(limit)))
-  return None
+    gamma = AdaptiveConfig()
+  if not isinstance(gamma, AdaptiveConfig):
+    return None
+  limit = None if drafter is None else drafter.max_gamma
+  if gamma.gamma_max is None and limit is not None:
+    gamma = dataclasses.replace(gamma, gamma_max=min(DEFAULT_GAMMA_MAX, int(limit)))
+  return gamma
 
 
 @struct.dataclass
@@ -517,7 +519,8 @@ class AdaptiveTreeRound(AdaptiveRound):
   the accepted path lengths), against its cost (target pass over the tree's nodes plus
   propose_tree) and a plain step's. When the tree does not pay, plain steps run until the
   next probe, as for chains. The node budget adapts between none and the drafter's (one
-  compiled tree; intermediate budgets would each be another compiled drafter)."""
+  compiled tree; intermediate budgets would each be another compiled drafter). The chain's
+  row rules (confidence, survival, schedule, admit) do not apply: a tree is verified whole."""
 
   def __call__(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                lengths_B, budget_B, eos_id, s):
@@ -564,8 +567,9 @@ def _adaptive_program_class():
 
   @dataclasses.dataclass(frozen=True)
   class AdaptiveProgram(SpeculativeProgram):
-    """A SpeculativeProgram whose rounds are AdaptiveRound (gamma = config.gamma_max); the
-    loop's carry holds the adaptive state in metrics.adaptive."""
+    """A SpeculativeProgram whose rounds are AdaptiveRound (gamma = config.gamma_max) or, for
+    a tree drafter, AdaptiveTreeRound (gamma = the tree's depth); the loop's carry holds the
+    adaptive state in metrics.adaptive."""
     adaptive: AdaptiveConfig | None = None
 
     def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key):
@@ -592,8 +596,8 @@ def configure(program, config: AdaptiveConfig):
     config = dataclasses.replace(config, gamma_max=drafter.max_depth,
                                  tree_nodes=drafter.num_nodes).resolved()
     round_fn = AdaptiveTreeRound(config)
-  else:
-    config = config.resolved()
+  else:  # (a config taken from a tree program drops its node budget)
+    config = dataclasses.replace(config, tree_nodes=None).resolved()
     round_fn = AdaptiveRound(config)
   if program.gamma != config.gamma_max:
     raise ValueError(f"the program drafts {program.gamma}, the config's gamma_max is "
@@ -687,11 +691,15 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
 
   thunks = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
             for w in cfg.widths]
-  # one program for both points (max_drafts is traced): the drafts it stops making
+  # one program for both points (max_drafts is traced): the drafts it stops making; a tree
+  # drafts whole (one point). A tree's pass is timed as a chain pass over its nodes, without
+  # the tree mask, path compaction and tree verification (so a tree round is undercharged)
+  points = (cfg.gamma_max,) if program.drafter.is_tree else (cfg.gamma_max, 1)
   thunks += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
-             for m in (cfg.gamma_max, 1)]
+             for m in points]
   seconds = [t / n for t in _interleaved_seconds(thunks, repeats)]
-  costs, (draft, first) = tuple(seconds[:-2]), seconds[-2:]
+  costs, draft = tuple(seconds[:len(cfg.widths)]), seconds[len(cfg.widths)]
+  first = seconds[-1] if len(points) == 2 else draft
   _MEASURED[cache_key] = costs, draft, first
   return costs, draft, first
 

@@ -58,7 +58,7 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
   if drafter.is_tree:
     if gamma is not None:
       raise ValueError(f"a tree drafter's depth ({drafter.max_depth}) sets the draft length: "
-                       f"pass gamma=None, got {gamma}")
+                       f"pass gamma=None (or 'auto'), got {gamma}")
     return prepare_tree(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                         verifier=verifier or verify_tree, **common)
   if gamma is None:

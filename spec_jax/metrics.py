@@ -31,7 +31,7 @@ class AdaptiveStats:
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32))
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
-             learning_rate: float, schedule: bool, probe_every: int, probe_growth: int = 2,
+             learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
              rounds=1, plain_row_rounds=None, empty_B=None) -> "AdaptiveStats":
     """After a drafted round, or after `rounds` plain steps run without drafting, in which
     rows were active `plain_row_rounds` times in all (each admitted nothing)."""

@@ -458,8 +458,7 @@ def prepare_speculative(target, params, drafter, draft_params, prompt_tokens_BP,
   config = adaptive.as_config(gamma, drafter)
   if config is not None:
     if drafter.is_tree:
-      raise ValueError("gamma='auto' adapts chain drafters; a tree drafter's node budget does "
-                       "not adapt yet")
+      raise ValueError("sharded generation runs chain drafters only")
     config = config.resolved()
     gamma = config.gamma_max
   unsharded, host_args = prepare(

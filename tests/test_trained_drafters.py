@@ -542,6 +542,10 @@ def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, traine
   program, _ = prepare_program(model, drafter, *prompts, gamma="auto", max_new_tokens=NEW)
   assert program.gamma == program.adaptive.gamma_max == HEADS
   assert program.adaptive.widths == (1, 2, 3, HEADS + 1)
+  # a config that only changes rules gets the same cap
+  rules_only = adaptive.AdaptiveConfig(rules=adaptive.AdaptiveRules(probe_every=4))
+  program, _ = prepare_program(model, drafter, *prompts, gamma=rules_only, max_new_tokens=NEW)
+  assert program.adaptive.gamma_max == HEADS and program.adaptive.rules.probe_every == 4
   with pytest.raises(ValueError, match="at most"):  # an explicit gamma_max is taken as asked
     prepare_program(model, drafter, *prompts, gamma=adaptive.AdaptiveConfig(gamma_max=8),
                     max_new_tokens=NEW)
@@ -554,7 +558,7 @@ def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, traine
   assert summarize(out.metrics)["adaptive"]["width_rounds"].get(HEADS + 1, 0) > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle", "mtp", "eagle_tree"])
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "eagle_tree", "mtp_tree"])
 def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kind):
   """EAGLE's and MTP's catch_up (no drafting, no heads) leave the drafter's cache as propose
   does at every slot propose marks exact (below its length), with at least that length; the
@@ -573,8 +577,9 @@ def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kin
   ctx = DraftContext(seq, now, seq[jnp.arange(3), now])
   args = (head_params, state, ctx, 3, SamplingConfig(), jax.random.key(0))
   proposed = jax.jit(drafter.propose, static_argnums=(3, 4))(*args)[2].cache
-  if kind == "eagle_tree":  # the tree's window (depth 3 + 1) on the chain drafter's state
-    drafter = EagleTreeDrafter(drafter.model, depth=3, top_k=2, nodes=7)
+  if kind.endswith("_tree"):  # the tree's windows (depth 3) on the chain drafter's state
+    tree_class = EagleTreeDrafter if kind == "eagle_tree" else MTPTreeDrafter
+    drafter = tree_class(drafter.model, depth=3, top_k=2, nodes=7)
     proposed = jax.jit(drafter.propose_tree, static_argnums=3)(
         head_params, state, ctx, SamplingConfig(), jax.random.key(0))[1].cache
   caught_up = jax.jit(drafter.catch_up, static_argnums=(3, 4))(*args).cache

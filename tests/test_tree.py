@@ -505,3 +505,27 @@ def test_distribution_test_catches_a_wrong_tree_verifier(small_pair):
   joint = exact_joint(target, tp, PROMPT, DEPTH, sampling)
   out = _sample_tree(small_pair, sampling, "dynamic", verifier=accept_first_positive)
   assert pvalue_vs_exact(out.tokens, joint) < SIGNIFICANCE
+
+
+def test_draft_model_tree_catch_up_is_the_catch_up_block(small_pair):
+  """DraftModelTreeDrafter's catch_up (gamma="auto"'s plain steps) runs only the catch-up
+  block: the draft cache it leaves equals propose_tree's at every slot up to the root (the
+  valid ones), with the same length; the tree levels past it are not run."""
+  target, tp, draft, dp = small_pair
+  drafter = DraftModelTreeDrafter(draft, **SMALL_SHAPES["dynamic"])
+  tokens, lengths = pad_prompts([[3, 1, 4, 1, 5], [2], [6, 2, 7]])
+  out, cache, state = tree_speculative_generate(
+      target, tp, drafter, dp, tokens, lengths, max_new_tokens=6, sampling=SamplingConfig(1.0),
+      key=jax.random.key(3), cache_len=32, return_state=True)
+  seq, now = jnp.asarray(out.sequences), cache.length_B
+  ctx = DraftContext(seq, now, seq[jnp.arange(3), now])
+  proposed = jax.jit(drafter.propose_tree, static_argnums=3)(
+      dp, state, ctx, SamplingConfig(), jax.random.key(0))[1].cache
+  caught_up = jax.jit(drafter.catch_up, static_argnums=(3, 4))(
+      dp, state, ctx, drafter.max_depth, SamplingConfig(), jax.random.key(0)).cache
+  np.testing.assert_array_equal(caught_up.length_B, proposed.length_B)
+  slot = np.arange(proposed.k_LBKES.shape[-1])
+  for b, length in enumerate(np.asarray(proposed.length_B)):
+    for a, c in ((proposed.k_LBKES, caught_up.k_LBKES), (proposed.v_LBKES, caught_up.v_LBKES)):
+      np.testing.assert_allclose(np.asarray(c)[:, b][..., slot < length],
+                                 np.asarray(a)[:, b][..., slot < length], rtol=1e-5, atol=1e-6)

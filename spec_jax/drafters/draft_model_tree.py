@@ -60,18 +60,28 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
                           prompt.cache_len)
     return DraftTreeState(cache)
 
-  def propose_tree(self, params, state: DraftTreeState, ctx: DraftContext,
-                   sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, DraftTreeState]:
-    root_B = ctx.position_B
+  def catch_up_block(self, params, state: DraftTreeState, ctx: DraftContext):
+    """[last round's accepted drafts, pending, stale...] at positions start.. through the
+    draft model -> (logits [B, max_depth+1, V], cache valid up to and including the root)."""
     start_B = state.cache.length_B
-    # catch-up: [last round's accepted drafts, pending, stale...] at positions start..
     positions_BR1 = start_B[:, None] + jnp.arange(self.max_depth + 1, dtype=jnp.int32)[None, :]
     last_slot = ctx.seq_BS.shape[1] - 1
     tokens_BR1 = jnp.take_along_axis(ctx.seq_BS, jnp.minimum(positions_BR1, last_slot), axis=1)
     logits_BR1V, _, cache = self.model.apply(params, tokens_BR1, positions_BR1, state.cache)
-    root_logits_BV = jnp.take_along_axis(logits_BR1V, (root_B - start_B)[:, None, None],
-                                         axis=1)[:, 0]
-    cache = cache.with_length(root_B + 1)
+    return logits_BR1V, cache.with_length(ctx.position_B + 1)
+
+  def catch_up(self, params, state: DraftTreeState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array) -> DraftTreeState:
+    # a round that verifies no tree (gamma="auto"'s plain steps): the catch-up block alone
+    # (its logits are dead code); the tree levels would be thrown away
+    return DraftTreeState(self.catch_up_block(params, state, ctx)[1])
+
+  def propose_tree(self, params, state: DraftTreeState, ctx: DraftContext,
+                   sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, DraftTreeState]:
+    root_B = ctx.position_B
+    logits_BR1V, cache = self.catch_up_block(params, state, ctx)
+    root_logits_BV = jnp.take_along_axis(
+        logits_BR1V, (root_B - state.cache.length_B)[:, None, None], axis=1)[:, 0]
 
     def expand(cache: KVCache, level: Expansion):
       positions_BT = jnp.broadcast_to(root_B[:, None] + level.depth, level.tokens_BT.shape)

@@ -82,6 +82,29 @@ def mtp_init(model, params, prompt: PromptInfo) -> MTPState:
                   features_BSD)
 
 
+def mtp_windows(model, params, state: MTPState, ctx: DraftContext, gamma: int, draw_module):
+  """Modules 1..gamma over the window L-2*gamma .. L-1, in order; module k's input tokens
+  past x_L are the drafts draw_module(k, logits_BV) made (zeros when draw_module is None)
+  -> (drafts_BG, state). Entries below L-gamma+1 come out exact in every module."""
+  pos_B = ctx.position_B
+  pos_BW = window_positions(pos_B, 2 * gamma)
+  h_BWD = gather_positions(state.features_BSD, pos_BW)
+  cache = state.cache
+  drafts_BG = jnp.zeros((pos_B.shape[0], gamma), jnp.int32)
+  for k in range(1, gamma + 1):
+    token_pos_BW = pos_BW + k  # module k reads x_{i+k}: known up to x_L, then drafts
+    from_draft_BW = gather_positions(drafts_BG, token_pos_BW - pos_B[:, None] - 1)
+    tokens_BW = jnp.where(token_pos_BW <= pos_B[:, None],
+                          gather_positions(ctx.seq_BS, token_pos_BW), from_draft_BW)
+    logits_B1V, h_BWD, cache = model.apply_module(params, k, h_BWD, tokens_BW, pos_BW, cache,
+                                                  last_logits_only=True)
+    if draw_module is not None:
+      drafts_BG = drafts_BG.at[:, k - 1].set(draw_module(k, logits_B1V[:, 0]))
+  # module k is exact for i <= L-k: below L-gamma+1 in all of the modules used
+  cache = cache.with_length(jnp.maximum(pos_B - gamma + 1, 0))
+  return drafts_BG, MTPState(cache, state.features_BSD)
+
+
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter(Drafter):
   model: object  # spec_jax.models.drafter_heads.MTPModel (hashable); params: HeadParams
@@ -115,7 +138,7 @@ class MTPDrafter(Drafter):
       probs.append(q_BV)
       return d_B
 
-    drafts_BG, state = self.windows(params, state, ctx, gamma, draw_module)
+    drafts_BG, state = mtp_windows(self.model, params, state, ctx, gamma, draw_module)
     probs_BGV = None if sampling.is_greedy else jnp.stack(probs, axis=1)
     return drafts_BG, probs_BGV, state
 
@@ -126,33 +149,7 @@ class MTPDrafter(Drafter):
     # as in propose (they read known tokens only); the draft-fed ones past them are
     # provisional either way, rewritten by the next window. No draws: the modules' heads
     # (113 MB each on SmolLM2) are dead code.
-    return self.windows(params, state, ctx, gamma, None)[1]
-
-  def windows(self, params, state: MTPState, ctx: DraftContext, gamma: int, draw_module):
-    """Modules 1..gamma over the window L-2*gamma .. L-1, in order; module k's input tokens
-    past x_L are the drafts draw_module(k, logits_BV) made (zeros when draw_module is None)
-    -> (drafts_BG, state)."""
-    pos_B = ctx.position_B
-    pos_BW = window_positions(pos_B, 2 * gamma)
-    h_BWD = gather_positions(state.features_BSD, pos_BW)
-    cache = state.cache
-    drafts_BG = jnp.zeros((pos_B.shape[0], gamma), jnp.int32)
-    for k in range(1, gamma + 1):
-      token_pos_BW = pos_BW + k  # module k reads x_{i+k}: known up to x_L, then drafts
-      from_draft_BW = gather_positions(drafts_BG, token_pos_BW - pos_B[:, None] - 1)
-      tokens_BW = jnp.where(token_pos_BW <= pos_B[:, None],
-                            gather_positions(ctx.seq_BS, token_pos_BW), from_draft_BW)
-      logits_B1V, h_BWD, cache = self.model.apply_module(params, k, h_BWD, tokens_BW, pos_BW,
-                                                         cache, last_logits_only=True)
-      if draw_module is not None:
-        drafts_BG = drafts_BG.at[:, k - 1].set(draw_module(k, logits_B1V[:, 0]))
-    # module k is exact for i <= L-k: below L-gamma+1 in all of the modules used
-    cache = cache.with_length(jnp.maximum(pos_B - gamma + 1, 0))
-    return drafts_BG, MTPState(cache, state.features_BSD)
-
-  def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
-    return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
-
+    return mtp_windows(self.model, params, state, ctx, gamma, None)[1]
 
 @dataclasses.dataclass(frozen=True)
 class MTPTreeDrafter(TreeShape, TreeDrafter):
@@ -242,6 +239,12 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
     # module k is exact for i <= L-k: below L-D+1 in all of the modules used
     cache = carry[0].with_length(jnp.maximum(pos_B - max_depth + 1, 0))
     return tree, MTPState(cache, state.features_BSD)
+
+  def catch_up(self, params, state: MTPState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array) -> MTPState:
+    # the chain's windows at gamma = max_depth leave the same exact entries (below L-D+1);
+    # the tree levels and heads would be thrown away
+    return mtp_windows(self.model, params, state, ctx, self.max_depth, None)[1]
 
   def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
