@@ -151,6 +151,10 @@ class MTPDrafter(Drafter):
     # (113 MB each on SmolLM2) are dead code.
     return mtp_windows(self.model, params, state, ctx, gamma, None)[1]
 
+  def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
+    return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
+
+
 @dataclasses.dataclass(frozen=True)
 class MTPTreeDrafter(TreeShape, TreeDrafter):
   """EAGLE-2-style dynamic tree (depth, top_k, nodes) unless `choices` (static paths) is given;
