@@ -157,11 +157,14 @@ class AdaptiveConfig:
     costs = None if self.target_costs is None else tuple(float(c) for c in self.target_costs)
     return dataclasses.replace(self, gamma_max=int(g), widths=widths, target_costs=costs)
 
+  def target_cost_table(self) -> tuple[float, ...]:
+    """Target costs per width: the supplied or measured ones, else defaults."""
+    return default_costs(self.widths) if self.target_costs is None else self.target_costs
+
   def cost_table(self) -> tuple[tuple[float, ...], np.ndarray]:
-    """(target costs per width, [gamma_max] cost of drafting m = 1..gamma_max): the supplied
-    or measured ones, else defaults."""
-    costs = default_costs(self.widths) if self.target_costs is None else self.target_costs
-    return costs, drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost)
+    """(target costs per width, [gamma_max] cost of drafting m = 1..gamma_max)."""
+    return (self.target_cost_table(),
+            drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost))
 
 
 def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> np.ndarray:
@@ -337,20 +340,27 @@ class AdaptiveRound:
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                                 cost_G1, probe, planned, s)
 
-    def plain_steps(s):
-      return self.plain_steps(target, drafter, gamma, sampling, verifier, params, draft_params,
-                              lengths_B, budget_B, eos_id, can_probe, s)
+    plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
+                                    verifier, params, draft_params, lengths_B, budget_B, eos_id,
+                                    can_probe)
+    return self.drafted_or_plain(s, planned > 0, probe, drafted_round, plain_steps,
+                                 schedule=rules.schedule)
 
-    draft_now = planned > 0
+  def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule):
+    """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
+    (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
+    then the acceptance statistics updated and written back into the metrics."""
+    rules = self.config.rules
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
                jnp.zeros_like(s.done_B))
     new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
         draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
-    stats = stats.update(~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
-                         learning_rate=rules.learning_rate, schedule=rules.schedule,
-                         probe_every=rules.probe_every, probe_growth=rules.probe_growth,
-                         rounds=steps, plain_row_rounds=plain_row_rounds, empty_B=empty_B)
+    stats = s.metrics.adaptive.update(
+        ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
+        learning_rate=rules.learning_rate, schedule=schedule, probe_every=rules.probe_every,
+        probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
+        empty_B=empty_B)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
@@ -525,10 +535,10 @@ class AdaptiveTreeRound(AdaptiveRound):
   def __call__(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                lengths_B, budget_B, eos_id, s):
     from spec_jax.tree_speculative import tree_speculative_round  # (imports speculative)
-    cfg, rules = self.config, self.config.rules
+    cfg = self.config
     stats: AdaptiveStats = s.metrics.adaptive
-    (plain_cost, tree_cost), draft_cost = cfg.cost_table()[0], float(cfg.draft_cost or 0.0)
-    tree_cost += draft_cost
+    plain_cost, tree_cost = cfg.target_cost_table()
+    tree_cost += float(cfg.draft_cost or 0.0)  # propose_tree, timed once
     active_B = ~s.done_B
     # static: a tree round whose deepest path were always accepted would beat a plain step
     can_probe = (1 + gamma) * plain_cost > tree_cost
@@ -546,20 +556,10 @@ class AdaptiveTreeRound(AdaptiveRound):
       return (new, admitted_B, num_accepted_B, jnp.int32(1), jnp.int32(1), jnp.int32(0),
               jnp.zeros_like(active_B))
 
-    def plain_steps(s):
-      return self.plain_steps(target, drafter, gamma, sampling, verifier, params, draft_params,
-                              lengths_B, budget_B, eos_id, can_probe, s)
-
-    zeros_B = jnp.zeros_like(s.pending_B)
-    outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
-               jnp.zeros_like(s.done_B))
-    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
-        tree_now, lambda o: tree_round(o[0]), lambda o: plain_steps(o[0]), outputs)
-    stats = stats.update(active_B, admitted_B, num_accepted_B, w_idx, tree_now, probe,
-                         learning_rate=rules.learning_rate, schedule=False,
-                         probe_every=rules.probe_every, probe_growth=rules.probe_growth,
-                         rounds=steps, plain_row_rounds=plain_row_rounds, empty_B=empty_B)
-    return new.replace(metrics=new.metrics.replace(adaptive=stats))
+    plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
+                                    verifier, params, draft_params, lengths_B, budget_B, eos_id,
+                                    can_probe)
+    return self.drafted_or_plain(s, tree_now, probe, tree_round, plain_steps, schedule=False)
 
 
 def _adaptive_program_class():

@@ -546,7 +546,9 @@ def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, traine
   rules_only = adaptive.AdaptiveConfig(rules=adaptive.AdaptiveRules(probe_every=4))
   program, _ = prepare_program(model, drafter, *prompts, gamma=rules_only, max_new_tokens=NEW)
   assert program.adaptive.gamma_max == HEADS and program.adaptive.rules.probe_every == 4
-  with pytest.raises(ValueError, match="at most"):  # an explicit gamma_max is taken as asked
+  # an explicit gamma_max is taken as asked, and refused in the drafter's own words
+  with pytest.raises(ValueError, match=rf"drafts at most {HEADS} tokens per round \(one draft "
+                                       rf"per (head|module), {HEADS} "):
     prepare_program(model, drafter, *prompts, gamma=adaptive.AdaptiveConfig(gamma_max=8),
                     max_new_tokens=NEW)
   # a fixed table (what measure_costs returns) where drafting pays: drafted rounds run

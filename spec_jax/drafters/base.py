@@ -95,14 +95,23 @@ class Drafter:
   @property
   def max_gamma(self) -> int | None:
     """The most drafts a chain round can hold (heads, modules, a block's slots); None: any.
-    gamma="auto" drafts up to min(its default gamma_max, this)."""
+    gamma="auto" drafts up to min(its default gamma_max, this). `check` enforces it."""
     return None
+
+  @property
+  def max_gamma_reason(self) -> str:
+    """Why max_gamma is the limit, for check's message (e.g. "one draft per head")."""
+    return "its limit"
 
   def check(self, target, gamma: int) -> None:
     """Host-side validation against the target, before anything is compiled."""
     if self.vocab_size is not None and self.vocab_size != target.vocab_size:
       raise ValueError(f"drafter vocabulary ({self.vocab_size}) differs from the target's "
                        f"({target.vocab_size}); draft and target must share one tokenizer")
+    limit = self.max_gamma
+    if limit is not None and gamma > limit:
+      raise ValueError(f"{type(self).__name__} drafts at most {limit} tokens per round "
+                       f"({self.max_gamma_reason}), got gamma={gamma}")
     check_feature_layers(self.feature_layers, target, type(self).__name__)
 
   def check_params(self, params) -> None:

@@ -321,15 +321,16 @@ class DFlashDrafter(Drafter):
   def max_gamma(self) -> int:
     return self.model.num_drafts
 
+  @property
+  def max_gamma_reason(self) -> str:
+    return f"a block of {self.model.block_size}: the pending token and its drafts"
+
   def check(self, target, gamma: int) -> None:
     super().check(target, gamma)  # vocabulary, feature layers inside the target
     name = type(self).__name__
     if target.config.dim != self.model.dim:
       raise ValueError(f"{name} reads target hidden states of width {self.model.dim}, the "
                        f"target's are {target.config.dim}: it was made for another target")
-    if gamma > self.model.num_drafts:
-      raise ValueError(f"{name} with a block of {self.model.block_size} drafts at most "
-                       f"{self.model.num_drafts} tokens per round, got gamma={gamma}")
 
   def init(self, params, prompt: PromptInfo) -> DFlashState:
     return block_init(self.model, params, prompt)
@@ -457,5 +458,4 @@ register(DrafterFamily(
         new_model=_new_model,
         model_from_config=lambda config: DFlashModel(DFlashConfig.from_dict(config)),
         chain=DFlashDrafter,
-        loss=dflash_loss, hidden_width=lambda model: model.dim,
-        max_gamma=lambda model: model.num_drafts)))
+        loss=dflash_loss, hidden_width=lambda model: model.dim)))

@@ -194,5 +194,4 @@ register(DrafterFamily(
         new_model=_new_model,
         model_from_config=lambda config: DSparkModel(DSparkConfig.from_dict(config)),
         chain=DSparkDrafter,
-        loss=dspark_loss, hidden_width=lambda model: model.dim,
-        max_gamma=lambda model: model.num_drafts)))
+        loss=dspark_loss, hidden_width=lambda model: model.dim)))

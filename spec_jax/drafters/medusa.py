@@ -51,11 +51,9 @@ class MedusaDrafter(Drafter):
   def max_gamma(self) -> int:
     return self.model.num_heads
 
-  def check(self, target, gamma: int) -> None:
-    super().check(target, gamma)
-    if gamma > self.model.num_heads:
-      raise ValueError(f"Medusa with {self.model.num_heads} heads drafts at most that many "
-                       f"tokens per round, got gamma={gamma}")
+  @property
+  def max_gamma_reason(self) -> str:
+    return f"one draft per head, {self.model.num_heads} heads"
 
   def init(self, params, prompt: PromptInfo) -> MedusaState:
     return MedusaState(last_hidden(prompt))
@@ -192,4 +190,4 @@ register(DrafterFamily(
                     chain=MedusaDrafter,
                     tree=_tree_drafter,
                     loss=medusa_loss, hidden_width=lambda model: model.config.dim,
-                    max_gamma=lambda model: model.num_heads)))
+)))

@@ -117,11 +117,9 @@ class MTPDrafter(Drafter):
   def max_gamma(self) -> int:
     return self.model.num_modules
 
-  def check(self, target, gamma: int) -> None:
-    super().check(target, gamma)
-    if gamma > self.model.num_modules:
-      raise ValueError(f"MTP with {self.model.num_modules} modules drafts at most that many "
-                       f"tokens per round, got gamma={gamma}")
+  @property
+  def max_gamma_reason(self) -> str:
+    return f"one draft per module, {self.model.num_modules} modules"
 
   def init(self, params, prompt: PromptInfo) -> MTPState:
     return mtp_init(self.model, params, prompt)
@@ -285,5 +283,4 @@ register(DrafterFamily(
             LlamaConfig.from_dict(config["layer"]), config["num_modules"])),
         chain=MTPDrafter,
         tree=lambda model, tree: MTPTreeDrafter(model, tree.depth, tree.top_k, tree.nodes),
-        loss=mtp_loss, hidden_width=lambda model: model.config.layer.dim,
-        max_gamma=lambda model: model.num_modules)))
+        loss=mtp_loss, hidden_width=lambda model: model.config.layer.dim)))

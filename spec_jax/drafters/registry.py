@@ -84,7 +84,6 @@ class Trained:
   reads_target_head                 draft params = HeadParams(own, the target's embedding and
                                     head), not stored in its file
   hidden_width(model)               width of the target hidden states it reads (None: none)
-  max_gamma(model)                  the most drafts a round can hold (None: any)
   """
   new_model: Callable[[Any, DrafterSizes], Any]
   model_from_config: Callable[[dict], Any]
@@ -94,7 +93,6 @@ class Trained:
   config_of: Callable[[Any], dict] = lambda model: dataclasses.asdict(model.config)
   reads_target_head: bool = True
   hidden_width: Callable[[Any], int] | None = None
-  max_gamma: Callable[[Any], int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

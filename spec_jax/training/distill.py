@@ -52,7 +52,7 @@ class DrafterSpec:
 
   @property
   def max_gamma(self) -> int | None:
-    return None if self.trained.max_gamma is None else self.trained.max_gamma(self.model)
+    return self.drafter.max_gamma
 
   def init_params(self, key: jax.Array):
     """Trainable params, as a plain nested dict (what optax and orbax handle best)."""
