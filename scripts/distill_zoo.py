@@ -2,6 +2,7 @@
 
   python scripts/distill_zoo.py corpus   --out runs/smollm2_distill     # prompts -> greedy answers
   python scripts/distill_zoo.py features --out runs/smollm2_distill     # target hidden states, once
+                                                      # per feature layout (--kind dflash: 3 more)
   python scripts/distill_zoo.py train --kind eagle --minutes 20 --out runs/smollm2_distill \
       --export models/zoo/smollm2-135m-instruct.eagle --dtype int8
 
@@ -51,6 +52,8 @@ def parse_args(argv=None):
   p.add_argument("--feature-noise", type=float, default=0.1)
   p.add_argument("--token-positions", type=int, default=32,
                  help="token loss on this many random positions per row (0: every position)")
+  p.add_argument("--anchors", type=int, default=16,
+                 help="block drafters (dflash, dspark): blocks per row and step")
   p.add_argument("--export", default=None, help="write the drafter here")
   p.add_argument("--dtype", default="int8", choices=("float32", "float16", "int8"))
   p.add_argument("--gamma", type=int, default=3)
@@ -122,6 +125,14 @@ def feature_target(model, kind):
   return target_with_features(model, spec.drafter)
 
 
+def features_path(out: Path, name: str, model, kind: str) -> Path:
+  """Where the target's hidden states for `kind` live: the last layer's alone, or with the
+  layers a block drafter reads (their ids in the name, so that kinds never mix them)."""
+  from spec_jax.training.distill import make_spec
+  layers = make_spec(kind, model).drafter.feature_layers
+  return out / f"{name}.hidden{''.join(f'-{i}' for i in layers)}.npy"
+
+
 def stage_features(args):
   from spec_jax.losses import target_outputs
   out = Path(args.out)
@@ -137,7 +148,7 @@ def stage_features(args):
       if n < 8:  # one shape: one compile
         tokens, mask = np.pad(tokens, ((0, 8 - n), (0, 0))), np.pad(mask, ((0, 8 - n), (0, 0)))
       parts.append(np.asarray(run(params, tokens, mask))[:n])
-    np.save(out / f"{name}.hidden.npy", np.concatenate(parts))
+    np.save(features_path(out, name, model, args.kind), np.concatenate(parts))
     print(f"{name}: features in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -235,12 +246,14 @@ def stage_train(args):
   out = Path(args.out)
   model, params, _ = load(args)
   spec = make_spec(args.kind, model, num_heads=args.num_heads, draft_hidden=args.draft_hidden)
-  data = {name: dict(np.load(out / f"{name}.npz"), hidden=np.load(out / f"{name}.hidden.npy"))
+  data = {name: dict(np.load(out / f"{name}.npz"),
+                    hidden=np.load(features_path(out, name, model, args.kind)))
           for name in ("train", "heldout")}
   accepted = inspect.signature(spec.trained.loss).parameters
-  options = {k: v for k, v in dict(token="kl", feature_noise=args.feature_noise).items()
-             if k in accepted}
-  if args.token_positions:
+  options = {k: v for k, v in dict(token="kl", feature_noise=args.feature_noise,
+                                   anchors=args.anchors).items() if k in accepted}
+  if args.token_positions and "anchors" not in accepted:  # EAGLE, MTP (block drafters
+    # sample their own positions: --anchors blocks per row)
     loss_fn = make_sampled_loss_fn(args.kind, model, spec, args.token_positions,
                                    **({"feature_noise": args.feature_noise}
                                       if "feature_noise" in accepted else {}))
