@@ -378,8 +378,8 @@ class AdaptiveRound:
                   jnp.iinfo(jnp.int32).max)
     zeros_B = jnp.zeros_like(s.pending_B)
     if drafter.skips_rounds:
-      return self.plain_stretch(target, drafter, sampling, params, draft_params, lengths_B,
-                                budget_B, eos_id, n, s)
+      return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
+                                lengths_B, budget_B, eos_id, n, s)
     step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
                              draft_params, lengths_B, budget_B, eos_id)
 
@@ -392,8 +392,8 @@ class AdaptiveRound:
                                               one, (jnp.int32(0), jnp.int32(0), s))
     return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
 
-  def plain_stretch(self, target, drafter, sampling, params, draft_params, lengths_B, budget_B,
-                    eos_id, n, s):
+  def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
+                    budget_B, eos_id, n, s):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no drafter, no round bookkeeping at gamma_max's shapes), the metrics
     are added once, and the drafter catches up after every CATCH_UP_WIDTHS[-1] steps and at
@@ -405,14 +405,19 @@ class AdaptiveRound:
       i, active_steps_B, s = c
       # the key outlives the stretch, so a greedy step's split would not be dropped as dead
       key, step_key = split_unless_greedy(s.key, 2, sampling)
-      seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts = decode_token(
+      (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts,
+       hidden_BD) = decode_token(
           target, params, sampling, lengths_B, budget_B, eos_id, step_key, s.seq_BS, s.pending_B,
           s.num_generated_B, s.done_B, s.cache, s.counts)
+      # drafters that read the target's hidden states keep the pending token's (rows that fed
+      # it: those that emitted); dead code for the others
+      draft_state = drafter.record_plain_step(s.draft_state, hidden_BD, s.cache.length_B,
+                                              count_B > 0)
       # the pending token's position, as commit_round keeps it: a row that emitted moves on
       cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
       new = s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,
                       done_B=done_B, cache=cache, key=key, failed_B=s.failed_B | bad_B,
-                      counts=counts)
+                      counts=counts, draft_state=draft_state)
       return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
 
     def chunk(c):  # up to `window` steps, then the drafter's catch-up over them
@@ -424,8 +429,8 @@ class AdaptiveRound:
       # the narrowest compiled window that covers the chunk's steps (a short stretch between
       # drafted rounds must not pay a 33-token pass of a real draft model)
       pick = jnp.searchsorted(jnp.asarray(CATCH_UP_WIDTHS, jnp.int32), i - start)
-      catch_up = [functools.partial(drafter.catch_up_after, draft_params, ctx=ctx, rounds=w)
-                  for w in CATCH_UP_WIDTHS]
+      catch_up = [functools.partial(drafter.catch_up_after, draft_params, ctx=ctx, rounds=w,
+                                    gamma=gamma) for w in CATCH_UP_WIDTHS]
       return i, active_steps_B, s.replace(
           draft_state=switch_in_place(pick, catch_up, s.draft_state))
 

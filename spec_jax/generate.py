@@ -285,8 +285,10 @@ def decode_token(model, params, sampling, lengths_B, budget_B, eos_E, key, seq_B
   plain steps. The pending token goes through the model at its position (the cache length)
   and the next one is sampled and written. The cache comes back with its length untouched
   (the caller's bookkeeping). -> (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B,
-  cache, counts); bad_B: rows that stop here at non-finite logits, emitting nothing."""
-  logits_B1V, _, cache = model.apply(params, pending_B[:, None], cache.length_B[:, None], cache)
+  cache, counts, hidden_BD); bad_B: rows that stop here at non-finite logits, emitting
+  nothing; hidden_BD: the model's hidden state at the pending token (dead code unless read)."""
+  logits_B1V, hidden_B1D, cache = model.apply(params, pending_B[:, None],
+                                              cache.length_B[:, None], cache)
   logits_BV = process_logits(logits_B1V[:, 0], sampling,
                              token_history(sampling, num_generated_B, eos_E, counts))
   next_B = sample(key, logits_BV, sampling)
@@ -297,7 +299,7 @@ def decode_token(model, params, sampling, lengths_B, budget_B, eos_E, key, seq_B
   seq_BS = write_tokens(seq_BS, lengths_B + num_generated_B, next_B[:, None], count_B)
   counts = None if counts is None else counts.add(next_B[:, None], count_B)
   return (seq_BS, jnp.where(stop_B, pending_B, next_B), num_generated_B + count_B, new_done_B,
-          bad_B, count_B, cache, counts)
+          bad_B, count_B, cache, counts, hidden_B1D[:, 0])
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_len", "sampling"))
@@ -317,7 +319,7 @@ def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_E, pad_id, k
 
   def body(s: _ARState):
     key, step_key = jax.random.split(s.key)
-    seq_BS, pending_B, num_generated_B, done_B, bad_B, _, cache, counts = decode_token(
+    seq_BS, pending_B, num_generated_B, done_B, bad_B, _, cache, counts, _ = decode_token(
         model, params, sampling, lengths_B, budget_B, eos_E, step_key, s.seq_BS, s.pending_B,
         s.num_generated_B, s.done_B, s.cache, s.counts)
     # every row fed its pending token; done rows stay where they are

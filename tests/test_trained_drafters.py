@@ -490,38 +490,51 @@ def test_last_logits_only_is_the_last_row_of_the_full_logits(tiny_target, kind):
 
 
 
-def test_eagle_catch_up_keeps_what_the_next_round_reads(stories, story_reference, trained):
-  """EAGLE's catch_up (gamma="auto"'s plain steps) runs the true-feature window alone. The
-  rounds after it must draft exactly what they draft after the default catch_up (a whole
-  propose whose drafts are dropped): same tokens, same accepted drafts in every round."""
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "medusa"])
+def test_plain_stretches_keep_what_the_next_round_reads(stories, story_reference, trained,
+                                                         kind):
+  """gamma="auto"'s plain steps: EAGLE, MTP and Medusa skip rounds (the target's hidden state
+  of each plain step is recorded, one catch_up_after per stretch runs the windows over it).
+  The rounds after must draft exactly what they draft when the drafter catches up in every
+  plain step (its catch_up) and when it runs a whole propose there and drops the drafts
+  (Drafter.catch_up): same tokens, same accepted drafts in every round."""
   import dataclasses
   from spec_jax.adaptive import AdaptiveConfig
   from spec_jax.drafters.base import Drafter
-  from spec_jax.drafters.eagle import EagleDrafter
   from spec_jax.engine import speculate
-
-  @dataclasses.dataclass(frozen=True)
-  class ProposingCatchUp(EagleDrafter):
-    def catch_up(self, *args):
-      return Drafter.catch_up(self, *args)
 
   model, params = stories
   prompts, reference = story_reference
-  spec, _, own = trained("eagle")
+  spec, _, own = trained(kind)
   draft_params = spec.draft_params(own, model, params)
+  cls = type(spec.drafter)
+
+  @dataclasses.dataclass(frozen=True)
+  class EveryStep(cls):
+    skips_rounds = False
+
+  @dataclasses.dataclass(frozen=True)
+  class ProposingEveryStep(EveryStep):
+    def catch_up(self, *args):
+      return Drafter.catch_up(self, *args)
+
+  assert spec.drafter.skips_rounds
   # costs where drafting pays only now and then: plain stretches between drafted rounds
-  auto = AdaptiveConfig(target_costs=(1.0, 1.6, 2.0, 2.2, 2.6), draft_cost=0.3,
+  auto = AdaptiveConfig(gamma_max=HEADS, target_costs=(1.0, 1.6, 2.0, 2.2), draft_cost=0.3,
                         first_draft_cost=0.2)
+  drafters = (spec.drafter, EveryStep(spec.drafter.model), ProposingEveryStep(spec.drafter.model))
   outs = [speculate(model, params, d, draft_params, *prompts, gamma=auto, max_new_tokens=NEW,
-                    eos_id=1) for d in (spec.drafter, ProposingCatchUp(spec.drafter.model))]
+                    eos_id=1) for d in drafters]
   for out in outs:
     assert np.array_equal(out.tokens, reference.tokens)
     assert np.array_equal(out.num_tokens, reference.num_tokens)
-  fast, slow = (summarize(o.metrics) for o in outs)
-  assert fast["adaptive"]["width_rounds"].get(1, 0) > 0, fast["adaptive"]  # plain steps ran
-  assert fast["rounds"] > fast["adaptive"]["width_rounds"].get(1, 0)  # and drafted rounds
-  assert (fast["mean_accepted"], fast["rounds"], fast["adaptive"]) == (
-      slow["mean_accepted"], slow["rounds"], slow["adaptive"])
+  stretch, step, propose = (summarize(o.metrics) for o in outs)
+  widths = stretch["adaptive"]["width_rounds"]
+  assert widths.get(1, 0) > 0, stretch["adaptive"]  # plain steps ran
+  assert sum(widths.values()) > widths.get(1, 0)  # and drafted rounds
+  for other in (step, propose):
+    assert (stretch["mean_accepted"], stretch["adaptive"]["width_rounds"]) == (
+        other["mean_accepted"], other["adaptive"]["width_rounds"])
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mtp"])
@@ -594,19 +607,33 @@ def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kin
                                  np.asarray(a)[:, b][..., slot < length], rtol=1e-5, atol=1e-6)
 
 
-def test_eagle_tree_with_auto_is_greedy_identical(stories, story_reference, trained):
-  """gamma="auto" with a trained EAGLE tree: rounds choose the tree or plain steps (a tree
-  costing 2.5 steps pays only while it is accepted), output identical to autoregressive."""
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_trees_with_auto_are_greedy_identical(stories, story_reference, trained, kind):
+  """gamma="auto" with a trained EAGLE or MTP tree: rounds choose the tree or plain steps (a
+  tree costing 2.5 steps pays only while it is accepted), output identical to
+  autoregressive; plain stretches (one catch_up_after each) draft what catching up in every
+  plain step drafts."""
+  import dataclasses
   from spec_jax.adaptive import AdaptiveConfig
   from spec_jax.engine import speculate
   model, params = stories
   prompts, reference = story_reference
-  spec, _, own = trained("eagle")
-  tree = EagleTreeDrafter(spec.drafter.model, depth=3, top_k=2, nodes=8)
-  out = speculate(model, params, tree, spec.draft_params(own, model, params), *prompts,
-                  gamma=AdaptiveConfig(target_costs=(1.0, 2.5), draft_cost=0.2),
-                  max_new_tokens=NEW, eos_id=1)
-  assert np.array_equal(out.tokens, reference.tokens)
-  assert np.array_equal(out.num_tokens, reference.num_tokens)
-  widths = summarize(out.metrics)["adaptive"]["width_rounds"]
-  assert widths[8] > 0, widths
+  spec, _, own = trained(kind)
+  cls = EagleTreeDrafter if kind == "eagle" else MTPTreeDrafter
+
+  @dataclasses.dataclass(frozen=True)
+  class EveryStep(cls):
+    skips_rounds = False
+
+  outs = [speculate(model, params, c(spec.drafter.model, depth=3, top_k=2, nodes=8),
+                    spec.draft_params(own, model, params), *prompts,
+                    gamma=AdaptiveConfig(target_costs=(1.0, 2.5), draft_cost=0.2),
+                    max_new_tokens=NEW, eos_id=1) for c in (cls, EveryStep)]
+  for out in outs:
+    assert np.array_equal(out.tokens, reference.tokens)
+    assert np.array_equal(out.num_tokens, reference.num_tokens)
+  stretch, step = (summarize(o.metrics) for o in outs)
+  widths = stretch["adaptive"]["width_rounds"]
+  assert widths[8] > 0 and widths[1] > 0, widths
+  assert (stretch["mean_accepted"], widths) == (step["mean_accepted"],
+                                                 step["adaptive"]["width_rounds"])

@@ -149,13 +149,22 @@ class Drafter:
     False by default: the adaptive rounds then call `catch_up` in every undrafted round."""
     return False
 
-  def catch_up_after(self, params, state, ctx: DraftContext, rounds: int) -> Any:
+  def catch_up_after(self, params, state, ctx: DraftContext, rounds: int, gamma: int) -> Any:
     """The state `propose` needs at `ctx`, after at most `rounds` (static) plain target steps
-    in which this drafter was not called at all (no propose, catch_up or commit). Adaptive
-    speculation's plain steps call it once after such a stretch instead of catching up every
-    step: a draft model then feeds the stretch's tokens in one pass instead of one small
-    pass per token. Only for drafters whose `skips_rounds` is True."""
+    in which this drafter was not called at all (no propose, catch_up or commit; only
+    record_plain_step), following a round of `gamma` drafts (or the prompt, or another
+    stretch). Adaptive speculation's plain steps call it once after such a stretch instead
+    of catching up every step: a draft model then feeds the stretch's tokens in one pass
+    instead of one small pass per token. Only for drafters whose `skips_rounds` is True."""
     raise NotImplementedError(f"{type(self).__name__} does not skip rounds")
+
+  def record_plain_step(self, state, hidden_BD: jax.Array, position_B: jax.Array,
+                        fed_B: jax.Array) -> Any:
+    """After each plain target step of a stretch (see catch_up_after): the target's hidden
+    state [B, D] at the token it fed at position_B, on rows with fed_B ([B] bool). A drafter
+    that reads target hidden states by position keeps it here (what commit does for a
+    verified round); by default the state is unchanged."""
+    return state
 
   def acceptance_estimates(self, state) -> jax.Array | None:
     """[B, gamma] float in [0, 1], from the state `propose` returned: the drafter's estimate

@@ -166,10 +166,16 @@ class FallbackDrafter(Drafter):
   def skips_rounds(self) -> bool:
     return self.primary.skips_rounds and self.secondary.skips_rounds
 
-  def catch_up_after(self, params, state: FallbackState, ctx: DraftContext,
-                     rounds: int) -> FallbackState:
-    return FallbackState(self.primary.catch_up_after(params[0], state.primary, ctx, rounds),
-                         self.secondary.catch_up_after(params[1], state.secondary, ctx, rounds))
+  def catch_up_after(self, params, state: FallbackState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> FallbackState:
+    return FallbackState(
+        self.primary.catch_up_after(params[0], state.primary, ctx, rounds, gamma),
+        self.secondary.catch_up_after(params[1], state.secondary, ctx, rounds, gamma))
+
+  def record_plain_step(self, state: FallbackState, hidden_BD, position_B, fed_B):
+    return FallbackState(self.primary.record_plain_step(state.primary, hidden_BD, position_B, fed_B),
+                         self.secondary.record_plain_step(state.secondary, hidden_BD, position_B,
+                                                          fed_B))
 
   def commit(self, params, state: FallbackState, outcome: RoundOutcome) -> FallbackState:
     return FallbackState(self.primary.commit(params[0], state.primary, outcome),

@@ -154,6 +154,14 @@ def store_verified_features(features_BSD: jax.Array, outcome: RoundOutcome) -> j
       hidden_BG1D.astype(features_BSD.dtype), mode="drop")
 
 
+def store_step_features(features_BSD: jax.Array, hidden_BD: jax.Array, position_B: jax.Array,
+                        fed_B: jax.Array) -> jax.Array:
+  """Writes a plain step's target hidden state at position_B, on rows that fed it."""
+  slot_B = jnp.where(fed_B, position_B, features_BSD.shape[1])  # elsewhere: dropped
+  return features_BSD.at[jnp.arange(features_BSD.shape[0]), slot_B].set(
+      hidden_BD.astype(features_BSD.dtype), mode="drop")
+
+
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:
   """[B, width] positions L-width .. L-1 (negative ones are padding, never stored)."""
   return position_B[:, None] - width + jnp.arange(width, dtype=jnp.int32)[None, :]

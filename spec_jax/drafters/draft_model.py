@@ -83,8 +83,8 @@ class DraftModelDrafter(Drafter):
   def skips_rounds(self) -> bool:
     return True
 
-  def catch_up_after(self, params, state: DraftModelState, ctx: DraftContext,
-                     rounds: int) -> DraftModelState:
+  def catch_up_after(self, params, state: DraftModelState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> DraftModelState:
     # Before the stretch, slots up to L0 - 2 held (L0: its first pending position); the
     # stretch added at most `rounds` tokens. Feeding slots L - rounds - 1 .. L - 1 in one pass
     # leaves every slot before the pending one right; clamped at 0 early on, repeated

@@ -38,7 +38,8 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.drafters.common import (autoregressive_drafts, gather_positions, prompt_features,
-                                     store_verified_features, tree_log_probs, window_positions)
+                                     store_step_features, store_verified_features,
+                                     tree_log_probs, window_positions)
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
 from spec_jax.losses import (TargetOutputs, positions_of, shift_left, smooth_l1, token_loss)
 from spec_jax.models.drafter_heads import EagleConfig, EagleModel
@@ -117,6 +118,21 @@ class EagleDrafter(Drafter):
                sampling: SamplingConfig, key: jax.Array) -> EagleState:
     return eagle_catch_up(self.model, params, state, ctx, gamma + 1)
 
+  @property
+  def skips_rounds(self) -> bool:
+    return True
+
+  def catch_up_after(self, params, state: EagleState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> EagleState:
+    # entries below L_prev were exact after the last round of gamma drafts (propose's window
+    # started there); L has since moved by at most gamma + 1 (that round) + rounds (the
+    # stretch, whose features record_plain_step kept): one window reaches back to L_prev
+    return eagle_catch_up(self.model, params, state, ctx, gamma + 1 + rounds)
+
+  def record_plain_step(self, state: EagleState, hidden_BD, position_B, fed_B) -> EagleState:
+    return state.replace(features_BSD=store_step_features(state.features_BSD, hidden_BD,
+                                                          position_B, fed_B))
+
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
 
@@ -166,6 +182,14 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
   def catch_up(self, params, state: EagleState, ctx: DraftContext, gamma: int,
                sampling: SamplingConfig, key: jax.Array) -> EagleState:
     return eagle_catch_up(self.model, params, state, ctx, self.max_depth + 1)
+
+  skips_rounds = True  # as the chain's, a tree round keeping at most max_depth drafts
+
+  def catch_up_after(self, params, state: EagleState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> EagleState:
+    return eagle_catch_up(self.model, params, state, ctx, self.max_depth + 1 + rounds)
+
+  record_plain_step = EagleDrafter.record_plain_step
 
   def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))

@@ -73,6 +73,20 @@ class MedusaDrafter(Drafter):
   def commit(self, params, state: MedusaState, outcome: RoundOutcome) -> MedusaState:
     return MedusaState(hidden_before_pending(outcome, state.hidden_BD))
 
+  @property
+  def skips_rounds(self) -> bool:
+    return True  # the state is one hidden state, which record_plain_step keeps current
+
+  def catch_up_after(self, params, state: MedusaState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> MedusaState:
+    return state
+
+  def record_plain_step(self, state: MedusaState, hidden_BD, position_B, fed_B) -> MedusaState:
+    # a row that fed x_L emitted its successor, the new pending token: x_L's hidden state
+    # is the one before it
+    return MedusaState(jnp.where(fed_B[:, None], hidden_BD.astype(state.hidden_BD.dtype),
+                                 state.hidden_BD))
+
 
 @dataclasses.dataclass(frozen=True)
 class MedusaTreeDrafter(TreeDrafter):
@@ -115,6 +129,10 @@ class MedusaTreeDrafter(TreeDrafter):
 
   def commit(self, params, state: MedusaState, outcome: RoundOutcome) -> MedusaState:
     return MedusaState(hidden_before_pending(outcome, state.hidden_BD))
+
+  skips_rounds = True
+  catch_up_after = MedusaDrafter.catch_up_after
+  record_plain_step = MedusaDrafter.record_plain_step
 
 
 # --- the family ---------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
 from spec_jax.drafters.common import (draw, gather_positions, prompt_features,
-                                     store_verified_features, tree_log_probs, window_positions)
+                                     store_step_features, store_verified_features,
+                                     tree_log_probs, window_positions)
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
 from spec_jax.losses import TargetOutputs, positions_of, token_loss
 from spec_jax.models.drafter_heads import MTPConfig, MTPModel
@@ -82,12 +83,14 @@ def mtp_init(model, params, prompt: PromptInfo) -> MTPState:
                   features_BSD)
 
 
-def mtp_windows(model, params, state: MTPState, ctx: DraftContext, gamma: int, draw_module):
-  """Modules 1..gamma over the window L-2*gamma .. L-1, in order; module k's input tokens
-  past x_L are the drafts draw_module(k, logits_BV) made (zeros when draw_module is None)
-  -> (drafts_BG, state). Entries below L-gamma+1 come out exact in every module."""
+def mtp_windows(model, params, state: MTPState, ctx: DraftContext, gamma: int, draw_module,
+                width: int | None = None):
+  """Modules 1..gamma over the window L-width .. L-1 (width: 2*gamma by default), in order;
+  module k's input tokens past x_L are the drafts draw_module(k, logits_BV) made (zeros when
+  draw_module is None) -> (drafts_BG, state). Entries below L-gamma+1 come out exact in
+  every module."""
   pos_B = ctx.position_B
-  pos_BW = window_positions(pos_B, 2 * gamma)
+  pos_BW = window_positions(pos_B, 2 * gamma if width is None else width)
   h_BWD = gather_positions(state.features_BSD, pos_BW)
   cache = state.cache
   drafts_BG = jnp.zeros((pos_B.shape[0], gamma), jnp.int32)
@@ -148,6 +151,21 @@ class MTPDrafter(Drafter):
     # provisional either way, rewritten by the next window. No draws: the modules' heads
     # (113 MB each on SmolLM2) are dead code.
     return mtp_windows(self.model, params, state, ctx, gamma, None)[1]
+
+  @property
+  def skips_rounds(self) -> bool:
+    return True
+
+  def catch_up_after(self, params, state: MTPState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> MTPState:
+    # the last round of gamma drafts left every module exact below L_prev-gamma+1; L has
+    # since moved by at most gamma + 1 + rounds: a window of 2*gamma + rounds rewrites all
+    # the entries made known since (features kept by record_plain_step), as propose's does
+    return mtp_windows(self.model, params, state, ctx, gamma, None, 2 * gamma + rounds)[1]
+
+  def record_plain_step(self, state: MTPState, hidden_BD, position_B, fed_B) -> MTPState:
+    return state.replace(features_BSD=store_step_features(state.features_BSD, hidden_BD,
+                                                          position_B, fed_B))
 
   def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
@@ -247,6 +265,15 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
     # the chain's windows at gamma = max_depth leave the same exact entries (below L-D+1);
     # the tree levels and heads would be thrown away
     return mtp_windows(self.model, params, state, ctx, self.max_depth, None)[1]
+
+  skips_rounds = True  # as the chain's at gamma = max_depth
+
+  def catch_up_after(self, params, state: MTPState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> MTPState:
+    depth = self.max_depth
+    return mtp_windows(self.model, params, state, ctx, depth, None, 2 * depth + rounds)[1]
+
+  record_plain_step = MTPDrafter.record_plain_step
 
   def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
     return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))

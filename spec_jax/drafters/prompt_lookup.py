@@ -110,8 +110,8 @@ class PromptLookupDrafter(Drafter):
   def skips_rounds(self) -> bool:
     return True  # every proposal searches the row's tokens afresh
 
-  def catch_up_after(self, params, state: PromptLookupState, ctx: DraftContext,
-                     rounds: int) -> PromptLookupState:
+  def catch_up_after(self, params, state: PromptLookupState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> PromptLookupState:
     return state
 
 
