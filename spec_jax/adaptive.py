@@ -411,8 +411,8 @@ class AdaptiveRound:
           s.num_generated_B, s.done_B, s.cache, s.counts)
       # drafters that read the target's hidden states keep the pending token's (rows that fed
       # it: those that emitted); dead code for the others
-      draft_state = drafter.record_plain_step(s.draft_state, hidden_BD, s.cache.length_B,
-                                              count_B > 0)
+      draft_state = drafter.record_plain_step(draft_params, s.draft_state, hidden_BD,
+                                              s.cache.length_B, count_B > 0)
       # the pending token's position, as commit_round keeps it: a row that emitted moves on
       cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
       new = s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,

@@ -118,6 +118,46 @@ def test_dflash_with_auto_is_greedy_identical(tiny_target):
   assert max(summarize(out.metrics)["adaptive"]["width_rounds"]) == DRAFTS + 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_stretches_write_the_context_the_next_round_reads(tiny_target, kind):
+  # gamma="auto"'s plain stretches: a block drafter skips rounds, each plain step writing its
+  # position's context K/V (record_plain_step). The rounds after must draft exactly what they
+  # draft when every plain step runs the generic round and its commit: same accepted drafts
+  import dataclasses
+  from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
+  from spec_jax.engine import speculate
+  target, tp = tiny_target
+  spec, own = _random_drafter(kind, target)
+
+  @dataclasses.dataclass(frozen=True)
+  class Stretching(type(spec.drafter)):
+    def acceptance_estimates(self, state):
+      return None  # a random DSpark head's confidences would admit no draft at all
+
+  @dataclasses.dataclass(frozen=True)
+  class EveryStep(Stretching):
+    skips_rounds = False
+
+  assert Stretching(spec.drafter.model).skips_rounds
+  prompts = pad_prompts(PROMPTS)
+  reference = generate(target, tp, *prompts, max_new_tokens=40, eos_id=0)
+  # drafting pays only now and then: plain stretches between drafted rounds
+  config = AdaptiveConfig(DRAFTS, target_costs=(1.0, 1.5, 1.9), draft_cost=0.3,
+                          rules=AdaptiveRules(confidence=0.0, survival=0.0, probe_every=4,
+                                              probe_growth=1))
+  outs = [speculate(target, tp, d, spec.draft_params(own, target, tp), *prompts, gamma=config,
+                    max_new_tokens=40, eos_id=0)
+          for d in (Stretching(spec.drafter.model), EveryStep(spec.drafter.model))]
+  for out in outs:
+    assert np.array_equal(out.tokens, reference.tokens)
+    assert np.array_equal(out.num_tokens, reference.num_tokens)
+  stretch, step = (summarize(o.metrics) for o in outs)
+  widths = stretch["adaptive"]["width_rounds"]
+  assert widths.get(1, 0) > 0 and sum(widths.values()) > widths[1], widths
+  assert (stretch["mean_accepted"], widths) == (step["mean_accepted"],
+                                                 step["adaptive"]["width_rounds"])
+
+
 def test_adaptive_rounds_read_dspark_confidences(tiny_target):
   # gamma="auto" truncates DSpark's blocks with its confidence head: greedy output unchanged,
   # and confidences of 0 (a head that expects every draft to fail) admit nothing but probes

@@ -73,6 +73,11 @@ REAL_DRAFTERS = [
     ("EAGLE (trained, int8)", "eagle", {}, 3),
     ("EAGLE (trained, int8)", "eagle", {}, "auto"),
     ("MTP (trained, int8)", "mtp", {}, 3),
+    ("MTP (trained, int8)", "mtp", {}, "auto"),
+    ("DFlash (trained, int8)", "dflash", {}, 3),
+    ("DFlash (trained, int8)", "dflash", {}, "auto"),
+    ("DSpark (trained, int8)", "dspark", {}, 3),
+    ("DSpark (trained, int8)", "dspark", {}, "auto"),
     (f"layer skip {LAYER_SKIP}/30", "layer_skip", {"num_layers": LAYER_SKIP}, 3),
     (f"layer skip {LAYER_SKIP}/30", "layer_skip", {"num_layers": LAYER_SKIP}, "auto"),
     (f"lookup + layer skip {LAYER_SKIP}/30", "lookup+layer_skip", {"num_layers": LAYER_SKIP}, 4),
@@ -90,13 +95,14 @@ def drafts_per_round(gamma) -> int:
 def real_drafters(target, params, labels=None) -> tuple[list, list[str]]:
   """[(label, kind, drafter, draft params, gamma)] for REAL_DRAFTERS (`labels`: only those),
   and notes on the ones skipped (a trained drafter whose file is not there)."""
+  from spec_jax.drafters import registry
   from spec_jax.drafters.factory import make_drafter
   from spec_jax.models.zoo import zoo_drafter
   built, notes, made = [], [], {}
   for label, kind, opts, gamma in REAL_DRAFTERS:
     if labels is not None and kind not in labels:
       continue
-    if kind in ("eagle", "mtp"):
+    if kind in registry.trained_kinds():
       path = zoo_drafter("smollm2", kind)
       if path is None:
         notes.append(f"skipped {label}: no shipped drafter file")

@@ -158,7 +158,7 @@ class Drafter:
     instead of one small pass per token. Only for drafters whose `skips_rounds` is True."""
     raise NotImplementedError(f"{type(self).__name__} does not skip rounds")
 
-  def record_plain_step(self, state, hidden_BD: jax.Array, position_B: jax.Array,
+  def record_plain_step(self, params, state, hidden_BD: jax.Array, position_B: jax.Array,
                         fed_B: jax.Array) -> Any:
     """After each plain target step of a stretch (see catch_up_after): the target's hidden
     state [B, D] at the token it fed at position_B, on rows with fed_B ([B] bool). A drafter

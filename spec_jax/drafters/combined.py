@@ -172,10 +172,10 @@ class FallbackDrafter(Drafter):
         self.primary.catch_up_after(params[0], state.primary, ctx, rounds, gamma),
         self.secondary.catch_up_after(params[1], state.secondary, ctx, rounds, gamma))
 
-  def record_plain_step(self, state: FallbackState, hidden_BD, position_B, fed_B):
-    return FallbackState(self.primary.record_plain_step(state.primary, hidden_BD, position_B, fed_B),
-                         self.secondary.record_plain_step(state.secondary, hidden_BD, position_B,
-                                                          fed_B))
+  def record_plain_step(self, params, state: FallbackState, hidden_BD, position_B, fed_B):
+    return FallbackState(
+        self.primary.record_plain_step(params[0], state.primary, hidden_BD, position_B, fed_B),
+        self.secondary.record_plain_step(params[1], state.secondary, hidden_BD, position_B, fed_B))
 
   def commit(self, params, state: FallbackState, outcome: RoundOutcome) -> FallbackState:
     return FallbackState(self.primary.commit(params[0], state.primary, outcome),

@@ -352,6 +352,22 @@ class DFlashDrafter(Drafter):
     # (propose and drop the drafts) made each of gamma="auto"'s plain steps pay for a block.
     return state
 
+  @property
+  def skips_rounds(self) -> bool:
+    return True  # record_plain_step writes each plain step's context K/V as it comes
+
+  def catch_up_after(self, params, state, ctx: DraftContext, rounds: int, gamma: int):
+    return state
+
+  def record_plain_step(self, params, state, hidden_BD, position_B, fed_B):
+    # the step's one position of context, as commit writes a verified round's (a row that
+    # did not feed writes nothing: its slot is padding, dropped)
+    positions_B1 = jnp.where(fed_B, position_B, -1)[:, None]
+    cache = self.model.write_context(params, self.model.features(hidden_BD[:, None]),
+                                     positions_B1, state.cache)
+    return state.replace(cache=cache.with_length(
+        jnp.where(fed_B, position_B + 1, cache.length_B)))
+
 
 # --- training -------------------------------------------------------------------------------------
 

@@ -129,7 +129,8 @@ class EagleDrafter(Drafter):
     # stretch, whose features record_plain_step kept): one window reaches back to L_prev
     return eagle_catch_up(self.model, params, state, ctx, gamma + 1 + rounds)
 
-  def record_plain_step(self, state: EagleState, hidden_BD, position_B, fed_B) -> EagleState:
+  def record_plain_step(self, params, state: EagleState, hidden_BD, position_B,
+                        fed_B) -> EagleState:
     return state.replace(features_BSD=store_step_features(state.features_BSD, hidden_BD,
                                                           position_B, fed_B))
 

@@ -81,7 +81,8 @@ class MedusaDrafter(Drafter):
                      gamma: int) -> MedusaState:
     return state
 
-  def record_plain_step(self, state: MedusaState, hidden_BD, position_B, fed_B) -> MedusaState:
+  def record_plain_step(self, params, state: MedusaState, hidden_BD, position_B,
+                        fed_B) -> MedusaState:
     # a row that fed x_L emitted its successor, the new pending token: x_L's hidden state
     # is the one before it
     return MedusaState(jnp.where(fed_B[:, None], hidden_BD.astype(state.hidden_BD.dtype),

@@ -163,7 +163,8 @@ class MTPDrafter(Drafter):
     # the entries made known since (features kept by record_plain_step), as propose's does
     return mtp_windows(self.model, params, state, ctx, gamma, None, 2 * gamma + rounds)[1]
 
-  def record_plain_step(self, state: MTPState, hidden_BD, position_B, fed_B) -> MTPState:
+  def record_plain_step(self, params, state: MTPState, hidden_BD, position_B,
+                        fed_B) -> MTPState:
     return state.replace(features_BSD=store_step_features(state.features_BSD, hidden_BD,
                                                           position_B, fed_B))
 
