@@ -37,6 +37,9 @@ ZOO_DRAFTER = "eagle"
 
 
 
+DEFAULT_GAMMA = 4
+
+
 def gamma_arg(text: str):
   """--gamma: a positive integer, or 'auto' (adaptive speculation)."""
   return "auto" if text == "auto" else cli.positive_int(text)
@@ -65,9 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help=f"verify a token tree instead of a chain ({', '.join(tree_drafter_kinds())}), "
                       "e.g. 4,3,16; --gamma is then unused unless auto (each round: the tree "
                       "or plain steps)")
-  p.add_argument("--gamma", type=gamma_arg, default=4,
-                 help="drafted tokens per round, or 'auto': per-row lengths and per-round "
-                      "verification widths from measured costs (spec_jax.adaptive)")
+  p.add_argument("--gamma", type=gamma_arg, default=None,
+                 help=f"drafted tokens per round (default {DEFAULT_GAMMA}, or fewer where the "
+                      "drafter holds fewer: MTP modules, Medusa heads, a block's slots), or "
+                      "'auto': per-row lengths and per-round verification widths from "
+                      "measured costs (spec_jax.adaptive)")
   p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
   p.add_argument("--temperature", type=cli.real_range(0.0), default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=cli.non_negative_int, default=0, help="0 = no top-k cut")
@@ -184,7 +189,11 @@ def main(argv=None) -> int:
                 key=jax.random.key(args.seed))
 
   is_tree = drafter is not None and drafter.is_tree
-  gamma = args.gamma if args.gamma == "auto" or not is_tree else drafter.max_depth
+  gamma = args.gamma
+  if gamma is None:  # the default, within what the drafter can hold
+    limit = None if drafter is None else drafter.max_gamma
+    gamma = DEFAULT_GAMMA if limit is None else min(DEFAULT_GAMMA, limit)
+  gamma = gamma if gamma == "auto" or not is_tree else drafter.max_depth
   # a tree's depth is its draft length; with --gamma auto its rounds pick the tree or plain steps
   spec_gamma = gamma if not is_tree or gamma == "auto" else None
 

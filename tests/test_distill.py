@@ -174,6 +174,13 @@ def test_generate_cli_runs_a_loaded_drafter_as_chain_and_tree(exported):
                                     str(exported["eagle"][0])],
                         capture_output=True, text=True, cwd=REPO, timeout=600)
   assert proc.returncode != 0 and "holds a eagle drafter, not medusa" in proc.stderr
+  # without --gamma, 3 MTP modules draft 3 tokens a round (the default 4 would be refused)
+  proc = subprocess.run(base[:5] + ["--draft", "mtp", "--draft-checkpoint",
+                                    str(exported["mtp"][0])] + base[9:],
+                        capture_output=True, text=True, cwd=REPO, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads(proc.stdout)
+  assert report["gamma"] == 3 and report["identical_to_autoregressive"] is True
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float16", 1e-3), ("int8", 1.5e-2)])

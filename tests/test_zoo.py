@@ -96,7 +96,7 @@ def test_shipped_drafters_fit_smollm2(smollm2):
   from spec_jax.drafters.files import load_drafter
   from spec_jax.models.zoo import zoo_drafter
   model, params, _ = smollm2
-  shipped = {k: zoo_drafter("smollm2", k) for k in ("eagle", "mtp")}
+  shipped = {k: zoo_drafter("smollm2", k) for k in ("eagle", "mtp", "dflash", "dspark")}
   assert all(shipped.values()), shipped
   for kind, folder in shipped.items():
     assert "SmolLM2-135M-Instruct" in folder
