@@ -118,26 +118,20 @@ def stage_corpus(args):
 
 # --- features ---------------------------------------------------------------------------------
 
-def feature_target(model, kind):
-  from spec_jax.drafters.base import target_with_features
-  from spec_jax.training.distill import make_spec
-  spec = make_spec(kind, model)
-  return target_with_features(model, spec.drafter)
-
-
-def features_path(out: Path, name: str, model, kind: str) -> Path:
-  """Where the target's hidden states for `kind` live: the last layer's alone, or with the
+def features_path(out: Path, name: str, feature_layers: tuple[int, ...]) -> Path:
+  """Where the target's hidden states for a drafter live: the last layer's alone, or with the
   layers a block drafter reads (their ids in the name, so that kinds never mix them)."""
-  from spec_jax.training.distill import make_spec
-  layers = make_spec(kind, model).drafter.feature_layers
-  return out / f"{name}.hidden{''.join(f'-{i}' for i in layers)}.npy"
+  return out / f"{name}.hidden{''.join(f'-{i}' for i in feature_layers)}.npy"
 
 
 def stage_features(args):
+  from spec_jax.drafters.base import target_with_features
   from spec_jax.losses import target_outputs
+  from spec_jax.training.distill import make_spec
   out = Path(args.out)
   model, params, _ = load(args)
-  target = feature_target(model, args.kind)
+  drafter = make_spec(args.kind, model).drafter
+  target = target_with_features(model, drafter)
   run = jax.jit(lambda p, t, m: target_outputs(target, p, t, m).hidden_BTD.astype(jnp.float16))
   for name in ("heldout", "train"):
     data = np.load(out / f"{name}.npz")
@@ -148,7 +142,7 @@ def stage_features(args):
       if n < 8:  # one shape: one compile
         tokens, mask = np.pad(tokens, ((0, 8 - n), (0, 0))), np.pad(mask, ((0, 8 - n), (0, 0)))
       parts.append(np.asarray(run(params, tokens, mask))[:n])
-    np.save(features_path(out, name, model, args.kind), np.concatenate(parts))
+    np.save(features_path(out, name, drafter.feature_layers), np.concatenate(parts))
     print(f"{name}: features in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -247,7 +241,7 @@ def stage_train(args):
   model, params, _ = load(args)
   spec = make_spec(args.kind, model, num_heads=args.num_heads, draft_hidden=args.draft_hidden)
   data = {name: dict(np.load(out / f"{name}.npz"),
-                    hidden=np.load(features_path(out, name, model, args.kind)))
+                    hidden=np.load(features_path(out, name, spec.drafter.feature_layers)))
           for name in ("train", "heldout")}
   accepted = inspect.signature(spec.trained.loss).parameters
   options = {k: v for k, v in dict(token="kl", feature_noise=args.feature_noise,

@@ -331,21 +331,33 @@ def _tree_auto(tree_cost, learning_rate=0.3):
 def test_greedy_identity_with_adaptive_trees(stories, ragged):
   """A draft-model tree with gamma=auto: the same tokens as autoregressive decoding, with
   tree rounds and plain steps both used (a tree costing 2 steps pays only while drafts are
-  accepted), one compile for the program."""
+  accepted), one compile for the program. Plain stretches (one catch_up_after each, the
+  draft model untouched in between) draft what catching up in every plain step drafts."""
   from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
   model, params = stories
   prompts, budgets, ref = ragged
+
+  @dataclasses.dataclass(frozen=True)
+  class EveryStep(DraftModelTreeDrafter):
+    skips_rounds = False
+
   drafter = DraftModelTreeDrafter(model, depth=3, top_k=2, nodes=7)
+  assert drafter.skips_rounds
   program, _ = prepare_program(model, drafter, *prompts, gamma="auto", max_new_tokens=NEW)
   assert program.adaptive.widths == (1, 7) and program.gamma == 3
-  out = speculate(model, params, drafter, perturbed(params, 0.3, seed=1), *prompts,
-                  gamma=_tree_auto(2.0), max_new_tokens=NEW, budgets_B=budgets, eos_id=1)
-  assert np.array_equal(out.tokens, ref.tokens)
-  assert np.array_equal(out.num_tokens, ref.num_tokens)
-  m = summarize(out.metrics)
+  stretch, step = (speculate(model, params, d, perturbed(params, 0.3, seed=1), *prompts,
+                             gamma=_tree_auto(2.0), max_new_tokens=NEW, budgets_B=budgets,
+                             eos_id=1)
+                   for d in (drafter, EveryStep(model, depth=3, top_k=2, nodes=7)))
+  for out in (stretch, step):
+    assert np.array_equal(out.tokens, ref.tokens)
+    assert np.array_equal(out.num_tokens, ref.num_tokens)
+  m, m_step = summarize(stretch.metrics), summarize(step.metrics)
   widths = m["adaptive"]["width_rounds"]
   assert widths[1] > 0 and widths[7] > 0, widths
   assert sum(widths.values()) == m["rounds"]
+  assert (m["mean_accepted"], widths) == (m_step["mean_accepted"],
+                                          m_step["adaptive"]["width_rounds"])
   with pytest.raises(ValueError, match="whole tree"):
     prepare_program(model, drafter, *prompts, max_new_tokens=NEW,
                     gamma=AdaptiveConfig(widths=(1, 2, 3)))

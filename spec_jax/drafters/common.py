@@ -141,25 +141,30 @@ def prompt_features(prompt: PromptInfo, dtype=None) -> jax.Array:
   return features_BSD.at[:, :width].set(hidden_BPD.astype(features_BSD.dtype))
 
 
+def store_features_at(features_BSD: jax.Array, hidden_BWD: jax.Array, positions_BW: jax.Array,
+                      keep_BW: jax.Array) -> jax.Array:
+  """Writes hidden_BWD[b, w] at positions_BW[b, w] where keep_BW; elsewhere nothing."""
+  slots_BW = jnp.where(keep_BW, positions_BW, features_BSD.shape[1])  # out of range: dropped
+  return features_BSD.at[jnp.arange(features_BSD.shape[0])[:, None], slots_BW].set(
+      hidden_BWD.astype(features_BSD.dtype), mode="drop")
+
+
 def store_verified_features(features_BSD: jax.Array, outcome: RoundOutcome) -> jax.Array:
   """Writes the verify pass's features at positions L..L+gamma, only those the target kept."""
   hidden_BG1D = outcome.target_hidden_BG1D
   if hidden_BG1D is None:
     raise _needs_hidden("RoundOutcome.target_hidden_BG1D")
-  batch, width, _ = hidden_BG1D.shape
+  width = hidden_BG1D.shape[1]
   pos_BG1 = outcome.context.position_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-  slots_BG1 = jnp.where(pos_BG1 < outcome.new_target_length_B[:, None], pos_BG1,
-                        features_BSD.shape[1])  # beyond the kept tokens: dropped
-  return features_BSD.at[jnp.arange(batch)[:, None], slots_BG1].set(
-      hidden_BG1D.astype(features_BSD.dtype), mode="drop")
+  return store_features_at(features_BSD, hidden_BG1D, pos_BG1,
+                           pos_BG1 < outcome.new_target_length_B[:, None])
 
 
 def store_step_features(features_BSD: jax.Array, hidden_BD: jax.Array, position_B: jax.Array,
                         fed_B: jax.Array) -> jax.Array:
   """Writes a plain step's target hidden state at position_B, on rows that fed it."""
-  slot_B = jnp.where(fed_B, position_B, features_BSD.shape[1])  # elsewhere: dropped
-  return features_BSD.at[jnp.arange(features_BSD.shape[0]), slot_B].set(
-      hidden_BD.astype(features_BSD.dtype), mode="drop")
+  return store_features_at(features_BSD, hidden_BD[:, None], position_B[:, None],
+                           fed_B[:, None])
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:

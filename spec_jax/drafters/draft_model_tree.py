@@ -76,6 +76,24 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
     # (its logits are dead code); the tree levels would be thrown away
     return DraftTreeState(self.catch_up_block(params, state, ctx)[1])
 
+  @property
+  def skips_rounds(self) -> bool:
+    return True
+
+  def catch_up_after(self, params, state: DraftTreeState, ctx: DraftContext, rounds: int,
+                     gamma: int) -> DraftTreeState:
+    # Before the stretch the cache held every slot below V >= L0 - max_depth (a round keeps
+    # at most max_depth drafts; L0: the stretch's first pending position), and L has moved
+    # by at most `rounds` since: feeding L - rounds - max_depth .. L - 1 in one pass leaves
+    # every slot before the pending token right, and the next catch-up block starts at it.
+    # Clamped at 0 early on, repeated (token 0, position 0) entries write the same values.
+    width = rounds + self.max_depth
+    window_BW = jnp.maximum(
+        ctx.position_B[:, None] + jnp.arange(-width, 0, dtype=jnp.int32)[None, :], 0)
+    tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
+    _, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
+    return DraftTreeState(cache.with_length(ctx.position_B))
+
   def propose_tree(self, params, state: DraftTreeState, ctx: DraftContext,
                    sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, DraftTreeState]:
     root_B = ctx.position_B

@@ -180,20 +180,18 @@ class EagleTreeDrafter(TreeShape, TreeDrafter):
                                           (cache, feats_BMD))
     return tree, EagleState(cache.with_length(ctx.position_B), state.features_BSD)
 
+  # a tree round keeps at most max_depth drafts: the chain's upkeep at gamma = max_depth
   def catch_up(self, params, state: EagleState, ctx: DraftContext, gamma: int,
                sampling: SamplingConfig, key: jax.Array) -> EagleState:
-    return eagle_catch_up(self.model, params, state, ctx, self.max_depth + 1)
-
-  skips_rounds = True  # as the chain's, a tree round keeping at most max_depth drafts
+    return EagleDrafter.catch_up(self, params, state, ctx, self.max_depth, sampling, key)
 
   def catch_up_after(self, params, state: EagleState, ctx: DraftContext, rounds: int,
                      gamma: int) -> EagleState:
-    return eagle_catch_up(self.model, params, state, ctx, self.max_depth + 1 + rounds)
+    return EagleDrafter.catch_up_after(self, params, state, ctx, rounds, self.max_depth)
 
+  skips_rounds = EagleDrafter.skips_rounds
   record_plain_step = EagleDrafter.record_plain_step
-
-  def commit(self, params, state: EagleState, outcome: RoundOutcome) -> EagleState:
-    return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
+  commit = EagleDrafter.commit
 
 
 # --- the family ---------------------------------------------------------------------------------

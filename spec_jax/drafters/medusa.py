@@ -128,10 +128,8 @@ class MedusaTreeDrafter(TreeDrafter):
     candidates_BRC = jax.lax.top_k(logp_BRV, spec.max_rank + 1)[1]
     return spec.tree(tokens_from_topk(spec, ctx.pending_B, candidates_BRC)), state
 
-  def commit(self, params, state: MedusaState, outcome: RoundOutcome) -> MedusaState:
-    return MedusaState(hidden_before_pending(outcome, state.hidden_BD))
-
-  skips_rounds = True
+  commit = MedusaDrafter.commit
+  skips_rounds = MedusaDrafter.skips_rounds
   catch_up_after = MedusaDrafter.catch_up_after
   record_plain_step = MedusaDrafter.record_plain_step
 

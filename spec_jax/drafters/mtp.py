@@ -261,23 +261,19 @@ class MTPTreeDrafter(TreeShape, TreeDrafter):
     cache = carry[0].with_length(jnp.maximum(pos_B - max_depth + 1, 0))
     return tree, MTPState(cache, state.features_BSD)
 
+  # a tree round of depth D leaves every module exact below L-D+1, as the chain's round of D
+  # drafts does: the chain's upkeep at gamma = max_depth (tree levels and heads unneeded)
   def catch_up(self, params, state: MTPState, ctx: DraftContext, gamma: int,
                sampling: SamplingConfig, key: jax.Array) -> MTPState:
-    # the chain's windows at gamma = max_depth leave the same exact entries (below L-D+1);
-    # the tree levels and heads would be thrown away
-    return mtp_windows(self.model, params, state, ctx, self.max_depth, None)[1]
-
-  skips_rounds = True  # as the chain's at gamma = max_depth
+    return MTPDrafter.catch_up(self, params, state, ctx, self.max_depth, sampling, key)
 
   def catch_up_after(self, params, state: MTPState, ctx: DraftContext, rounds: int,
                      gamma: int) -> MTPState:
-    depth = self.max_depth
-    return mtp_windows(self.model, params, state, ctx, depth, None, 2 * depth + rounds)[1]
+    return MTPDrafter.catch_up_after(self, params, state, ctx, rounds, self.max_depth)
 
+  skips_rounds = MTPDrafter.skips_rounds
   record_plain_step = MTPDrafter.record_plain_step
-
-  def commit(self, params, state: MTPState, outcome: RoundOutcome) -> MTPState:
-    return state.replace(features_BSD=store_verified_features(state.features_BSD, outcome))
+  commit = MTPDrafter.commit
 
 
 # --- the family ---------------------------------------------------------------------------------
