@@ -59,6 +59,8 @@ class Plan:
   # drafters (row labels' starts) that also get a gamma="auto" row; None: every drafter
   s1_auto: tuple[str, ...] | None = None
   s1_new: int = 128
+  # factory kinds of scenario 1's drafters; None: every one (stories_drafters)
+  s1_kinds: tuple[str, ...] | None = None
   s2_gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
   s2_prompts: int = 6
   s2_new: int = 128
@@ -102,7 +104,7 @@ class Plan:
 
 QUICK = Plan(
     repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16,
-    s1_auto=("prompt lookup",), s2_gammas=(3,),
+    s1_auto=("prompt lookup",), s1_kinds=("draft_model", "prompt_lookup"), s2_gammas=(3,),
     s2_prompts=2, s2_new=16, s2_auto=False, s2_block_gammas=(3,), sw_batches=(1, 2), sw_gammas=(2,), sw_new=8,
     bb_batches=(1, 4), bb_new=8,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
@@ -185,6 +187,8 @@ def stories260k(plan: Plan, ctx: dict) -> dict:
   cache_len = width + plan.s1_new + max(*plan.s1_gammas, DEFAULT_GAMMA_MAX) + 1
   drafters, notes = [], []
   for label, kind, opts in stories_drafters(model, params):
+    if plan.s1_kinds is not None and kind not in plan.s1_kinds:
+      continue
     try:
       drafters.append((label, kind) + build_drafter(kind, model, params, **opts))
     except ImportError as e:
