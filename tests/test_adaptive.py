@@ -101,6 +101,22 @@ def test_measured_costs_are_cached_per_params_dtypes(small_pair, monkeypatch):
     assert len(timed) - before == new * per_measurement
 
 
+def test_measured_target_costs_never_fall_with_width(small_pair, monkeypatch):
+  """A wider pass does at least a narrower one's work: a dip in the timings (noise on a
+  shared machine) must not make a verification look cheaper than a plain step."""
+  from spec_jax import adaptive
+  target, tp, draft_model, dp = small_pair
+  timings = [3.0, 2.0, 4.0, 3.5, 1.0, 0.5]  # widths 1, 2, 3, 5; 4 drafts; one draft
+  monkeypatch.setattr(adaptive, "_interleaved_seconds",
+                      lambda thunks, repeats: [t * adaptive.LOOP_PASSES for t in timings])
+  monkeypatch.setattr(adaptive, "_MEASURED", {})
+  program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
+                                  gamma=AdaptiveConfig(4), max_new_tokens=4)
+  assert program.adaptive.resolved().widths == (1, 2, 3, 5)
+  costs, draft, first = adaptive.measure_costs(program, tp, dp, args, repeats=1)
+  assert costs == (3.0, 3.0, 4.0, 4.0) and (draft, first) == (1.0, 0.5)
+
+
 def test_drafting_costs_follow_the_two_measured_points():
   from spec_jax.adaptive import drafting_costs
   np.testing.assert_allclose(drafting_costs(8, 8.0, 1.0), np.arange(1, 9))  # a draft model
