@@ -704,9 +704,9 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
   thunks += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
              for m in points]
   seconds = [t / n for t in _interleaved_seconds(thunks, repeats)]
-  # a wider pass does at least a narrower one's work: a dip in the timings (a burst of
-  # another process's load on the narrower one) must not make a verification look cheaper
-  # than a plain step, or a useless draft would look worth trying in every round
+  # a wider pass does at least a narrower one's work: a dip in the timings (noise on a
+  # shared machine) must not make a verification look cheaper than a plain step, or a
+  # useless draft would look worth trying in every round
   costs = tuple(itertools.accumulate(seconds[:len(cfg.widths)], max))
   draft = seconds[len(cfg.widths)]
   first = seconds[-1] if len(points) == 2 else draft

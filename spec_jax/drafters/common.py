@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from spec_jax.core.sampling import (SamplingConfig, TokenHistory, process_logits, sample,
                                     warp_logits, warped_probs)
-from spec_jax.drafters.base import PromptInfo, RoundOutcome
+from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome
 
 
 def draw(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig,
@@ -165,6 +165,18 @@ def store_step_features(features_BSD: jax.Array, hidden_BD: jax.Array, position_
   """Writes a plain step's target hidden state at position_B, on rows that fed it."""
   return store_features_at(features_BSD, hidden_BD[:, None], position_B[:, None],
                            fed_B[:, None])
+
+
+def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: int):
+  """A draft model's catch-up after a plain stretch: the `width` known tokens before the
+  pending one (positions L-width .. L-1) through `model` in one pass -> its cache, valid
+  below L. Clamped at 0 early on: repeated (token 0, position 0) entries write the same
+  values."""
+  window_BW = jnp.maximum(
+      ctx.position_B[:, None] + jnp.arange(-width, 0, dtype=jnp.int32)[None, :], 0)
+  tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
+  _, _, cache = model.apply(params, tokens_BW, window_BW, cache)
+  return cache.with_length(ctx.position_B)
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
-from spec_jax.drafters.common import autoregressive_drafts
+from spec_jax.drafters.common import autoregressive_drafts, feed_tokens_before_pending
 from spec_jax.generate import prefill
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.drafters.registry import (BuildOptions, DrafterFamily, DrafterSizes, Trained,
@@ -87,13 +87,9 @@ class DraftModelDrafter(Drafter):
                      gamma: int) -> DraftModelState:
     # Before the stretch, slots up to L0 - 2 held (L0: its first pending position); the
     # stretch added at most `rounds` tokens. Feeding slots L - rounds - 1 .. L - 1 in one pass
-    # leaves every slot before the pending one right; clamped at 0 early on, repeated
-    # (token 0, position 0) entries write the same values.
-    window_BW = jnp.maximum(
-        ctx.position_B[:, None] + jnp.arange(-rounds - 1, 0, dtype=jnp.int32)[None, :], 0)
-    tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
-    _, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
-    return DraftModelState(cache.with_length(ctx.position_B))
+    # leaves every slot before the pending one right.
+    return DraftModelState(
+        feed_tokens_before_pending(self.model, params, state.cache, ctx, rounds + 1))
 
   def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:
     # Slots L-1 .. L+gamma-1 were written with [prev, pending, d_1..d_{gamma-1}]; those up to

@@ -29,7 +29,7 @@ from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome, TreeD
 from spec_jax.generate import prefill
 from spec_jax.core.kv_cache import KVCache, tree_mask
 from spec_jax.core.sampling import SamplingConfig
-from spec_jax.drafters.common import tree_log_probs
+from spec_jax.drafters.common import feed_tokens_before_pending, tree_log_probs
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
 
@@ -86,13 +86,8 @@ class DraftModelTreeDrafter(TreeShape, TreeDrafter):
     # at most max_depth drafts; L0: the stretch's first pending position), and L has moved
     # by at most `rounds` since: feeding L - rounds - max_depth .. L - 1 in one pass leaves
     # every slot before the pending token right, and the next catch-up block starts at it.
-    # Clamped at 0 early on, repeated (token 0, position 0) entries write the same values.
-    width = rounds + self.max_depth
-    window_BW = jnp.maximum(
-        ctx.position_B[:, None] + jnp.arange(-width, 0, dtype=jnp.int32)[None, :], 0)
-    tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
-    _, _, cache = self.model.apply(params, tokens_BW, window_BW, state.cache)
-    return DraftTreeState(cache.with_length(ctx.position_B))
+    return DraftTreeState(feed_tokens_before_pending(self.model, params, state.cache, ctx,
+                                                     rounds + self.max_depth))
 
   def propose_tree(self, params, state: DraftTreeState, ctx: DraftContext,
                    sampling: SamplingConfig, key: jax.Array) -> tuple[TokenTree, DraftTreeState]:
