@@ -32,9 +32,12 @@ class AdaptiveStats:
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
-             rounds=1, plain_row_rounds=None, empty_B=None) -> "AdaptiveStats":
+             rounds=1, plain_row_rounds=None, empty_B=None, prior: float = 0.0,
+             forget: float = 0.0) -> "AdaptiveStats":
     """After a drafted round, or after `rounds` plain steps run without drafting, in which
-    rows were active `plain_row_rounds` times in all (each admitted nothing)."""
+    rows were active `plain_row_rounds` times in all (each admitted nothing). In a drafted
+    round, the estimates of a row's later positions (past the first) that it did not verify
+    or reach move `forget` of the way back to `prior`."""
     gamma = self.estimate_BG.shape[1]
     j_G = jnp.arange(gamma)[None, :]
     seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (
@@ -44,6 +47,8 @@ class AdaptiveStats:
     hit_BG = (j_G < num_accepted_B[:, None]).astype(jnp.float32)
     estimate_BG = jnp.where(seen_BG, self.estimate_BG + learning_rate * (hit_BG - self.estimate_BG),
                             self.estimate_BG)
+    unseen_BG = (drafted & active_B)[:, None] & ~seen_BG & (j_G >= 1)
+    estimate_BG = jnp.where(unseen_BG, estimate_BG + forget * (prior - estimate_BG), estimate_BG)
     gamma_B = self.gamma_B
     if schedule:
       verified_B = drafted & active_B & (admitted_B > 0)

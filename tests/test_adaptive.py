@@ -408,3 +408,85 @@ def test_sampled_distribution_with_adaptive_trees(small_pair, leak):
   assert widths[1] > 0 and widths[5] > 0, widths
   p = pvalue_vs_exact(out.tokens, joint)
   assert p < SIGNIFICANCE if leak else p > SIGNIFICANCE
+
+
+# --- the scheduler's look-ahead, forgetting, probe lengths (host-level, no generation) -----------
+
+# the built-in pair's measured shape: a 3-token pass dear, a 5-token one little dearer
+STEPPED_COST_G1 = jnp.asarray([1.0, 1.4, 2.0, 2.1, 2.1], jnp.float32)  # verifying 0..4 drafts
+
+
+def test_lookahead_verifies_past_a_dear_width_where_neighbours_stop():
+  """Survivals [1, .6, .54, .49]: one draft is worth 2 / 1.4 = 1.43 tokens per step, two
+  2.6 / 2.0 = 1.3, four 3.63 / 2.1 = 1.73. The neighbours-only scan (no estimates) stops at
+  one; with estimates of 0.9 the scan sees four ahead and verifies them; capped at two by the
+  row's past-only limit, it stops at one again."""
+  from spec_jax.adaptive import schedule_length
+  survival_BG = jnp.asarray([[1.0, 0.6, 0.54, 0.486]])
+  admitted_B, active_B = jnp.asarray([4]), jnp.asarray([True])
+  est_BG = jnp.asarray([[1.0, 0.9, 0.9, 0.9]])
+  assert int(schedule_length(survival_BG, admitted_B, active_B, STEPPED_COST_G1)) == 1
+  assert int(schedule_length(survival_BG, admitted_B, active_B, STEPPED_COST_G1, est_BG)) == 4
+  assert int(schedule_length(survival_BG, admitted_B, active_B, STEPPED_COST_G1, est_BG,
+                             jnp.asarray([2]))) == 1
+
+
+def test_lookahead_scan_is_a_stopping_time():
+  """Whether position k is verified may read survivals up to k and past estimates only:
+  rewriting every survival past the scan's stop (they depend on drafts it did not verify)
+  leaves the length unchanged, over random batches, tables and estimates."""
+  from spec_jax.adaptive import schedule_length
+  rng = np.random.default_rng(0)
+  checked = 0
+  for _ in range(300):
+    B, G = int(rng.integers(1, 4)), 4
+    cost_G1 = jnp.asarray(np.cumsum(rng.uniform(0.05, 1.0, G + 1)), jnp.float32)
+    surv = np.cumprod(rng.uniform(0.2, 1.0, (B, G)), axis=1)
+    est = rng.uniform(0.0, 1.2, (B, G))
+    admitted = rng.integers(0, G + 1, B)
+    active = rng.random(B) < 0.9
+    args = (jnp.asarray(admitted), jnp.asarray(active), cost_G1, jnp.asarray(est, jnp.float32),
+            jnp.asarray(rng.integers(1, G + 1, B)))
+    k = int(schedule_length(jnp.asarray(surv, jnp.float32), *args))
+    if k + 1 >= G:
+      continue
+    other = surv.copy()
+    other[:, k + 1:] = rng.uniform(0.0, 1.0, (B, G - k - 1))
+    assert int(schedule_length(jnp.asarray(other, jnp.float32), *args)) == k
+    checked += 1
+  assert checked > 100
+
+
+def test_unverified_later_positions_drift_back_to_the_prior():
+  """forget: in a drafted round, a row's later positions it did not verify move toward the
+  prior; verified ones follow the moving average; the first position and idle rounds don't."""
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(1, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
+  stats = stats.replace(estimate_BG=jnp.asarray([[0.5, 0.1, 0.1, 0.1]]))
+  kw = dict(learning_rate=0.5, schedule=False, probe_every=8, probe_growth=4, prior=0.7,
+            forget=0.25)
+  active_B = jnp.asarray([True])
+  # admitted 2, accepted 2: positions 1-2 seen and hit, 3-4 not verified
+  new = stats.update(active_B, jnp.asarray([2]), jnp.asarray([2]), 2, jnp.bool_(True),
+                     jnp.bool_(False), **kw)
+  np.testing.assert_allclose(np.asarray(new.estimate_BG[0]), [0.75, 0.55, 0.25, 0.25], atol=1e-6)
+  # admitted 1, rejected: position 1 seen and missed; the first position never drifts
+  new = stats.update(active_B, jnp.asarray([1]), jnp.asarray([0]), 1, jnp.bool_(True),
+                     jnp.bool_(False), **kw)
+  np.testing.assert_allclose(np.asarray(new.estimate_BG[0]), [0.25, 0.25, 0.25, 0.25], atol=1e-6)
+  idle = stats.update(active_B, jnp.asarray([0]), jnp.asarray([0]), 0, jnp.bool_(False),
+                      jnp.bool_(False), **kw)
+  np.testing.assert_allclose(np.asarray(idle.estimate_BG), np.asarray(stats.estimate_BG))
+
+
+def test_a_probe_drafts_the_best_length_even_when_none_pays():
+  """Estimates of 0.7 and a dear table (best: four drafts, 2.77 tokens for 3 steps): no
+  length beats a plain step, so an ordinary round plans none; a probe plans the best length,
+  not a single draft."""
+  from spec_jax.adaptive import planned_drafts
+  est_BG = jnp.full((1, 4), 0.7, jnp.float32)
+  cost_G1 = jnp.asarray([1.0, 2.0, 2.6, 2.9, 3.0], jnp.float32)
+  draft_G = np.zeros(4, np.float32)
+  args = (est_BG, jnp.asarray([4]), jnp.asarray([True]), cost_G1, draft_G, AdaptiveRules())
+  assert int(planned_drafts(*args)) == 0
+  assert int(planned_drafts(*args, probe=jnp.bool_(True))) == 4
