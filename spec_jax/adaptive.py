@@ -67,6 +67,13 @@ def default_widths(gamma_max: int) -> tuple[int, ...]:
   return tuple(sorted({x for x in widths if x <= gamma_max} | {gamma_max + 1}))
 
 
+def tree_widths(num_nodes: int) -> tuple[int, ...]:
+  """A tree program's widths: a plain step (1), then the tree cut to its first 2, 3, 5, 9,
+  ... nodes, and the whole tree (num_nodes)."""
+  return (1,) + tuple(w for w in default_widths(num_nodes - 1) if 1 < w < num_nodes) + (
+      num_nodes,)
+
+
 def default_costs(widths) -> tuple[float, ...]:
   """A guess when nothing was measured: a pass costs 1 + 0.1 per extra token."""
   return tuple(1.0 + 0.1 * (w - 1) for w in widths)
@@ -135,8 +142,8 @@ class AdaptiveConfig:
   draft_cost: float | None = None
   first_draft_cost: float | None = None
   rules: AdaptiveRules = AdaptiveRules()
-  # a tree drafter's node budget (set by configure: widths are then (1, tree_nodes), a plain
-  # step or the whole tree, and gamma_max the tree's depth)
+  # a tree drafter's node count (set by configure: widths are then a plain step, 1, and node
+  # budgets up to tree_nodes, tree_widths; gamma_max is the tree's depth)
   tree_nodes: int | None = None
 
   def resolved(self) -> "AdaptiveConfig":
@@ -145,16 +152,17 @@ class AdaptiveConfig:
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
       raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
     if self.tree_nodes is not None:
-      widths = (1, int(self.tree_nodes))
-      if self.widths is not None and tuple(self.widths) != widths:
-        raise ValueError(f"a tree round verifies the whole tree or runs a plain step: widths "
-                         f"{widths}, got {self.widths}")
+      n = int(self.tree_nodes)
+      widths = tree_widths(n) if self.widths is None else tuple(int(w) for w in self.widths)
+      if list(widths) != sorted(set(widths)) or widths[0] != 1 or widths[-1] != n:
+        raise ValueError(f"a tree round verifies the tree cut to its first w nodes, or runs a "
+                         f"plain step (w = 1): widths must be increasing, start at 1 and end "
+                         f"at the tree's {n} nodes, got {widths}")
     else:
       widths = default_widths(int(g)) if self.widths is None else tuple(int(w) for w in self.widths)
-    if self.tree_nodes is None and (list(widths) != sorted(set(widths)) or widths[0] != 1
-                                    or widths[-1] != g + 1):
-      raise ValueError(f"widths must be increasing, start at 1 and end at gamma_max + 1 = "
-                       f"{g + 1}, got {widths}")
+      if list(widths) != sorted(set(widths)) or widths[0] != 1 or widths[-1] != g + 1:
+        raise ValueError(f"widths must be increasing, start at 1 and end at gamma_max + 1 = "
+                         f"{g + 1}, got {widths}")
     if self.target_costs is not None:
       check_costs(widths, self.target_costs, 0.0 if self.draft_cost is None else self.draft_cost)
     elif self.draft_cost is not None:
@@ -396,7 +404,8 @@ class AdaptiveRound:
                jnp.zeros_like(s.done_B))
     new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
         draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
-    stats = s.metrics.adaptive.update(
+    # (a tree round has already updated its node estimates in new's stats)
+    stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=rules.probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
@@ -573,45 +582,94 @@ class AdaptiveRound:
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveTreeRound(AdaptiveRound):
-  """gamma="auto" for a tree drafter: each round runs the whole tree or plain steps.
+  """gamma="auto" for a tree drafter: each round verifies the tree cut to its first k nodes,
+  for k among the widths, or runs plain steps.
 
-  The choice is made before anything is drawn, from past rounds only (so it is lossless,
-  as planned_drafts is for chains): expected tokens of a tree round, one per active row plus
-  the survival of each depth (the product of per-depth acceptance estimates, updated from
-  the accepted path lengths), against its cost (target pass over the tree's nodes plus
-  propose_tree) and a plain step's. When the tree does not pay, plain steps run until the
-  next probe, as for chains. The node budget adapts between none and the drafter's (one
-  compiled tree; intermediate budgets would each be another compiled drafter). The chain's
-  row rules (confidence, survival, schedule, admit) do not apply: a tree is verified whole."""
+  The budget is chosen before anything is drawn, from past rounds only (so it is lossless,
+  as planned_drafts is for chains; first_nodes says why a cut tree is): each row carries
+  P(node i is on the accepted path) for every drafted node (AdaptiveStats.node_estimate_BZ),
+  so a tree cut to k nodes is expected to yield one token per active row plus the sum of
+  its first k - 1 nodes' estimates. That sum is exact for the cut tree, not an
+  approximation: whether node i is accepted depends on its own path and on the siblings
+  tried before it, which all come earlier in the node order and so survive every cut that
+  keeps i. Each budget is charged its target pass plus propose_tree (the whole tree is
+  always drafted); the best rate against a plain step's decides, as for chains. When no
+  budget pays, plain steps run until the next probe, which verifies the whole tree. The
+  chain's row rules (confidence, survival, schedule, admit) do not apply."""
 
   def __call__(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                lengths_B, budget_B, eos_id, s):
-    from spec_jax.tree_speculative import tree_speculative_round  # (imports speculative)
-    cfg = self.config
+    cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
-    plain_cost, tree_cost = cfg.target_cost_table()
-    tree_cost += float(cfg.draft_cost or 0.0)  # propose_tree, timed once
-    active_B = ~s.done_B
-    # static: a tree round whose deepest path were always accepted would beat a plain step
-    can_probe = (1 + gamma) * plain_cost > tree_cost
+    cost_W = np.asarray(cfg.target_cost_table(), np.float64)
+    cost_W[1:] += float(cfg.draft_cost or 0.0)  # propose_tree, timed once
+    budgets = cfg.widths[1:]
+    # static: whether some cut tree whose deepest path were always accepted would beat a
+    # plain step (a cut to k nodes reaches at most depth k - 1)
+    best_case_K = np.array([1 + min(k - 1, gamma) for k in budgets])
+    can_probe = bool(np.any(best_case_K / cost_W[1:] > 1 / cost_W[0]))
     probe = (stats.idle_rounds >= stats.probe_interval) & can_probe
-    survival_BG = jnp.cumprod(jnp.minimum(stats.estimate_BG, 1.0), axis=1)
-    rows = jnp.sum(active_B).astype(jnp.float32)
-    tokens = rows + jnp.sum(jnp.where(active_B[:, None], survival_BG, 0.0))
-    tree_now = (tokens * plain_cost > rows * tree_cost) | probe
+    budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, ~s.done_B, budgets,
+                                              jnp.asarray(cost_W, jnp.float32))
+    budget_idx = jnp.where(probe, len(budgets) - 1, budget_idx)
 
     def tree_round(s):
-      new = tree_speculative_round(target, drafter, gamma, sampling, verifier, params,
-                                   draft_params, lengths_B, budget_B, eos_id, s)
-      num_accepted_B = new.metrics.accepted_B - s.metrics.accepted_B
-      admitted_B = jnp.where(active_B, gamma, 0).astype(jnp.int32)  # every depth verified
-      return (new, admitted_B, num_accepted_B, jnp.int32(1), jnp.int32(1), jnp.int32(0),
-              jnp.zeros_like(active_B))
+      return self.tree_round(target, drafter, gamma, sampling, verifier, params, draft_params,
+                             lengths_B, budget_B, eos_id, budgets, budget_idx, s)
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
                                     can_probe)
-    return self.drafted_or_plain(s, tree_now, probe, tree_round, plain_steps, schedule=False)
+    return self.drafted_or_plain(s, tree_now | probe, probe, tree_round, plain_steps,
+                                 schedule=False)
+
+  def tree_round(self, target, drafter, gamma, sampling, verifier, params, draft_params,
+                 lengths_B, budget_B, eos_id, budgets, budget_idx, s):
+    """propose_tree, then the target pass and verdict over the first budgets[budget_idx]
+    nodes (one compiled branch per budget, all with the accepted path's shapes), then one
+    commit. -> drafted_or_plain's tuple."""
+    from spec_jax.tree_speculative import (commit_tree_round, first_nodes, propose_tree_round,
+                                           verify_tree_round)
+    rules = self.config.rules
+    active_B = ~s.done_B
+    ctx, key, verify_key, tree, draft_state = propose_tree_round(
+        drafter, gamma, sampling, verifier, draft_params, eos_id, s)
+
+    def verify(k):
+      def branch(c):
+        verified = verify_tree_round(target, sampling, verifier, params, ctx,
+                                     first_nodes(tree, k), c[0][0], verify_key)
+        # the deepest draft a row's cut tree holds: its verified length
+        reach_B = jnp.max(tree.depth_BN[:, :k], axis=1)
+        return verified, reach_B
+      return branch
+
+    shapes = jax.eval_shape(lambda cache: verify(budgets[-1])(((cache,),)), s.cache)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    carry = ((s.cache,) + zeros[0][1:], zeros[1])
+    verified, reach_B = switch_in_place(budget_idx, [verify(k) for k in budgets], carry)
+    new = commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, tree,
+                            draft_state, verified)
+    _, path_BR1, num_accepted_B, *_ = verified
+    stats = new.metrics.adaptive.update_nodes(
+        active_B, jnp.asarray(budgets, jnp.int32)[budget_idx], path_BR1, num_accepted_B,
+        learning_rate=rules.learning_rate, prior=rules.prior, forget=rules.forget)
+    new = new.replace(metrics=new.metrics.replace(adaptive=stats))
+    admitted_B = jnp.where(active_B, reach_B, 0).astype(jnp.int32)
+    return (new, admitted_B, num_accepted_B, budget_idx + 1, jnp.int32(1), jnp.int32(0),
+            jnp.zeros_like(active_B))
+
+
+def choose_tree_budget(node_estimate_BZ, active_B, budgets, cost_W):
+  """From past rounds only: (index into budgets of the best cut, whether it beats a plain
+  step), by expected tokens per second. cost_W [W]: a plain step's cost, then each budget's
+  (target pass + drafting)."""
+  rows = jnp.sum(active_B).astype(jnp.float32)
+  cum_Z = jnp.cumsum(jnp.sum(jnp.where(active_B[:, None], node_estimate_BZ, 0.0), axis=0))
+  tokens_K = rows + cum_Z[jnp.asarray(budgets) - 2]  # the first k - 1 drafted nodes
+  rate_K = tokens_K / cost_W[1:]
+  best = jnp.argmax(rate_K).astype(jnp.int32)
+  return best, rate_K[best] > rows / cost_W[0]
 
 
 def _adaptive_program_class():
@@ -628,7 +686,8 @@ def _adaptive_program_class():
       state = super().init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
       r = self.adaptive.rules
       stats = AdaptiveStats.zeros(tokens_BP.shape[0], self.gamma, self.adaptive.widths,
-                                  r.initial_gamma, r.prior, r.probe_every)
+                                  r.initial_gamma, r.prior, r.probe_every,
+                                  self.adaptive.tree_nodes)
       return state.replace(metrics=state.metrics.replace(adaptive=stats))
 
   return AdaptiveProgram
@@ -641,8 +700,8 @@ def adaptive_program_class():
 
 def configure(program, config: AdaptiveConfig):
   """A program running adaptive rounds: a chain program prepared with gamma =
-  config.gamma_max, or a tree program (its rounds then choose between the whole tree and
-  plain steps: AdaptiveTreeRound)."""
+  config.gamma_max, or a tree program (its rounds then verify the tree cut to a node budget,
+  or run plain steps: AdaptiveTreeRound)."""
   drafter = program.drafter
   if drafter.is_tree:
     config = dataclasses.replace(config, gamma_max=drafter.max_depth,

@@ -39,7 +39,7 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
   Chains draft `gamma` tokens a round; a tree drafter's depth sets its draft length (gamma
   must be None or "auto"). gamma="auto" (or a spec_jax.adaptive.AdaptiveConfig) adapts the
   draft length per row and the verification width per round (spec_jax.adaptive; a tree's
-  rounds choose between the whole tree and plain steps); without a cost table this uses
+  rounds verify the tree cut to a node budget, or run plain steps); without a cost table this uses
   default costs (`speculate` measures them). `verifier` defaults to verify
   (chains) or verify_tree (trees).
   """
@@ -47,7 +47,7 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
                 budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len)
   adaptive_config = adaptive.as_config(gamma, drafter)
   if adaptive_config is not None:  # gamma="auto": per-row lengths, per-round widths
-    if drafter.is_tree:  # each round: the whole tree, or plain steps
+    if drafter.is_tree:  # each round: a node budget, or plain steps
       program, args = prepare_tree(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                    verifier=verifier or verify_tree, **common)
       return adaptive.configure(program, adaptive_config), args

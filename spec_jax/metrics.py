@@ -21,14 +21,36 @@ class AdaptiveStats:
   undrafted_rounds: jax.Array  # [] rounds that did not draft at all
   admitted_hist_G1: jax.Array  # [G + 1] row-rounds per admitted length
   admitted_B: jax.Array  # [B] drafts verified, summed over the row's rounds
+  # trees: [B, N - 1] float32 P(drafted node i + 1 is on the accepted path), online; None
+  # for chains. Their sum over the first k - 1 nodes is what a tree cut to k nodes yields
+  node_estimate_BZ: jax.Array | None = None
 
   @classmethod
   def zeros(cls, batch_size: int, gamma: int, widths, initial_gamma: int, prior: float,
-            probe_every: int) -> "AdaptiveStats":
+            probe_every: int, tree_nodes: int | None = None) -> "AdaptiveStats":
+    nodes = None if tree_nodes is None else jnp.full((batch_size, tree_nodes - 1), prior,
+                                                     jnp.float32)
     return cls(tuple(widths), jnp.full((batch_size,), min(initial_gamma, gamma), jnp.int32),
                jnp.full((batch_size, gamma), prior, jnp.float32), jnp.int32(0),
                jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
-               jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32))
+               jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32), nodes)
+
+  def update_nodes(self, active_B, num_verified, path_BR1, num_accepted_B, *,
+                   learning_rate: float, prior: float, forget: float) -> "AdaptiveStats":
+    """After a tree round that verified the first num_verified nodes (traced []): each
+    verified node's estimate moves towards whether it is on the row's accepted path; the
+    unverified ones move `forget` of the way back to `prior`."""
+    num_drafted = self.node_estimate_BZ.shape[1]
+    node_Z = jnp.arange(1, num_drafted + 1)
+    taken_BR = jnp.arange(path_BR1.shape[1] - 1)[None, :] < num_accepted_B[:, None]
+    on_path_BZ = jnp.any((path_BR1[:, 1:, None] == node_Z[None, None, :]) & taken_BR[..., None],
+                         axis=1).astype(jnp.float32)
+    verified_BZ = active_B[:, None] & (node_Z < num_verified)[None, :]
+    est_BZ = self.node_estimate_BZ
+    est_BZ = jnp.where(verified_BZ, est_BZ + learning_rate * (on_path_BZ - est_BZ), est_BZ)
+    est_BZ = jnp.where(active_B[:, None] & ~verified_BZ, est_BZ + forget * (prior - est_BZ),
+                       est_BZ)
+    return self.replace(node_estimate_BZ=est_BZ)
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
@@ -145,8 +167,11 @@ def summarize(m: SpecMetrics) -> dict:
         "undrafted_rounds": int(a.undrafted_rounds),
         "admitted_hist": a.admitted_hist_G1.tolist(),
         "mean_admitted": int(a.admitted_B.sum()) / row_rounds if row_rounds else 0.0,
-        "acceptance_estimate": np.round(a.estimate_BG.mean(0), 3).tolist(),
-        "acceptance_estimate_per_row": np.round(a.estimate_BG, 3).tolist(),
+        "acceptance_estimate": np.round(a.estimate_BG.mean(0).astype(float), 3).tolist(),
+        "acceptance_estimate_per_row": np.round(a.estimate_BG.astype(float), 3).tolist(),
         "gamma_per_row": a.gamma_B.tolist(),
     }
+    if a.node_estimate_BZ is not None:  # a tree's: P(node i + 1 on the accepted path)
+      out["adaptive"]["node_estimate"] = np.round(a.node_estimate_BZ.mean(0).astype(float),
+                                                  3).tolist()
   return out

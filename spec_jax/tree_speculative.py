@@ -27,6 +27,7 @@ from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logit
 from spec_jax.generate import EosIds, finite_prefix
 from spec_jax.speculative import (SpecState, commit_round, prepare, round_inputs,
                                   speculative_jit)
+from spec_jax.tree import TokenTree
 from spec_jax.tree_verify import verify_tree
 
 
@@ -49,23 +50,42 @@ def compact_path(cache: KVCache, start_B: jax.Array, path_BR1: jax.Array) -> KVC
                        v_LBKES=mover(cache.v_LBKES, src_BR1, dst_BR1))
 
 
-def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,
-                           sampling: SamplingConfig, verifier, params, draft_params, lengths_B,
-                           budget_B, eos_id, s: SpecState) -> SpecState:
-  """One round over a token tree; the signature of speculative.speculative_round."""
+def propose_tree_round(drafter: TreeDrafter, max_depth: int, sampling: SamplingConfig,
+                       verifier, draft_params, eos_id, s: SpecState):
+  """Step 1: the drafter's tree, its root set to the pending token -> (ctx, the next round's
+  key, the verify key, tree, draft_state)."""
   ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id, verifier)
-  length_B, history = ctx.position_B, ctx.history
   tree, draft_state = drafter.propose_tree(draft_params, s.draft_state, ctx, sampling, draft_key)
   if tree.max_depth != max_depth:
     raise ValueError(f"the drafter's tree has max_depth {tree.max_depth}, expected {max_depth}")
-  tree = tree.replace(tokens_BN=tree.tokens_BN.at[:, 0].set(s.pending_B))
+  return ctx, key, verify_key, tree.replace(tokens_BN=tree.tokens_BN.at[:, 0].set(s.pending_B)), \
+      draft_state
 
+
+def first_nodes(tree: TokenTree, num_nodes: int) -> TokenTree:
+  """The tree cut to its first num_nodes nodes (static). Nodes are in topological order, so
+  this is a tree; the cut depends on nothing drawn, so verifying it is as lossless as
+  verifying the whole (and for an EAGLE-2-style dynamic tree, ordered best first, it is the
+  tree that budget would have grown). max_depth stays: the accepted path keeps its shape."""
+  if num_nodes == tree.num_nodes:
+    return tree
+  cut = lambda x: None if x is None else x[:, :num_nodes]
+  return tree.replace(tokens_BN=cut(tree.tokens_BN), parents_BN=cut(tree.parents_BN),
+                      depth_BN=cut(tree.depth_BN), probs_BNV=cut(tree.probs_BNV))
+
+
+def verify_tree_round(target: CausalLM, sampling: SamplingConfig, verifier, params, ctx, tree,
+                      cache: KVCache, verify_key):
+  """Steps 2-4 up to the commit: one target pass over the tree's nodes, the verdict, the
+  cache compacted -> (cache, path_BR1, num_accepted_B, next_B, the path's hidden states
+  [B, R1, D], num_finite_B)."""
+  length_B, history = ctx.position_B, ctx.history
   num_nodes = tree.num_nodes
   positions_BN = length_B[:, None] + tree.depth_BN
   slots_BN = length_B[:, None] + jnp.arange(num_nodes, dtype=jnp.int32)[None, :]
   ancestors_BNN = tree.ancestors()
-  mask_BNS = tree_mask(length_B, ancestors_BNN, s.cache.max_len)
-  logits_BNV, hidden_BND, cache = target.apply(params, tree.tokens_BN, positions_BN, s.cache,
+  mask_BNS = tree_mask(length_B, ancestors_BNN, cache.max_len)
+  logits_BNV, hidden_BND, cache = target.apply(params, tree.tokens_BN, positions_BN, cache,
                                                slots_BT=slots_BN, mask_BTS=mask_BNS)
   if history is not None:  # node i's logits: processed after the context + its path
     logits_BNV = process_logits(logits_BNV, sampling,
@@ -73,16 +93,33 @@ def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: in
   path_BR1, num_accepted_B, next_B = verifier(tree, logits_BNV, sampling, verify_key)
   # the logits each kept token was chosen from: those of the path's nodes (root first)
   num_finite_B = finite_prefix(jnp.take_along_axis(nonfinite_rows(logits_BNV), path_BR1, axis=1))
-
   cache = compact_path(cache, length_B, path_BR1)
-  path_tokens_BR = jnp.take_along_axis(tree.tokens_BN, path_BR1[:, 1:], axis=1)
   path_hidden_BR1D = jnp.take_along_axis(hidden_BND, path_BR1[:, :, None], axis=1)
+  return cache, path_BR1, num_accepted_B, next_B, path_hidden_BR1D, num_finite_B
+
+
+def commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s: SpecState, key,
+                      ctx, tree, draft_state, verified) -> SpecState:
+  """Step 5: the chain's commit, told the accepted path (`verified`: verify_tree_round's)."""
+  cache, path_BR1, num_accepted_B, next_B, path_hidden_BR1D, num_finite_B = verified
+  path_tokens_BR = jnp.take_along_axis(tree.tokens_BN, path_BR1[:, 1:], axis=1)
   return commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
                       budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
                       draft_state=draft_state, draft_tokens_BG=path_tokens_BR,
                       num_accepted_B=num_accepted_B, next_B=next_B,
                       hidden_BG1D=path_hidden_BR1D, num_finite_B=num_finite_B,
                       tree_path_BR1=path_BR1)
+
+
+def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,
+                           sampling: SamplingConfig, verifier, params, draft_params, lengths_B,
+                           budget_B, eos_id, s: SpecState) -> SpecState:
+  """One round over a token tree; the signature of speculative.speculative_round."""
+  ctx, key, verify_key, tree, draft_state = propose_tree_round(
+      drafter, max_depth, sampling, verifier, draft_params, eos_id, s)
+  verified = verify_tree_round(target, sampling, verifier, params, ctx, tree, s.cache, verify_key)
+  return commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, tree,
+                           draft_state, verified)
 
 
 def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, draft_params,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import perturbed
-from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules, check_costs
+from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules, check_costs, tree_widths
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.factory import make_drafter
@@ -337,17 +337,20 @@ def test_probe_interval_grows_after_empty_probes_and_resets_after_a_hit():
   assert int(hit.probe_interval) == 8
 
 
-# --- trees: each round the whole tree or plain steps -------------------------------------------
+# --- trees: each round a node budget or plain steps -------------------------------------------
 
-def _tree_auto(tree_cost, learning_rate=0.3):
-  return AdaptiveConfig(target_costs=(1.0, tree_cost), draft_cost=0.0,
-                        rules=AdaptiveRules(learning_rate=learning_rate))
+def _tree_auto(num_nodes, tree_cost, learning_rate=0.3):
+  """Costs rising in a line from a plain step (1) to the whole tree (tree_cost)."""
+  widths = tree_widths(num_nodes)
+  return AdaptiveConfig(target_costs=tuple(1 + (tree_cost - 1) * (w - 1) / (num_nodes - 1)
+                                           for w in widths),
+                        draft_cost=0.0, rules=AdaptiveRules(learning_rate=learning_rate))
 
 
 def test_greedy_identity_with_adaptive_trees(stories, ragged):
   """A draft-model tree with gamma=auto: the same tokens as autoregressive decoding, with
-  tree rounds and plain steps both used (a tree costing 2 steps pays only while drafts are
-  accepted), one compile for the program. Plain stretches (one catch_up_after each, the
+  plain steps and cut trees of more than one budget used (the whole tree costing 2 steps
+  pays only while drafts are accepted), one compile for the program. Plain stretches (one catch_up_after each, the
   draft model untouched in between) draft what catching up in every plain step drafts."""
   from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
   model, params = stories
@@ -360,9 +363,9 @@ def test_greedy_identity_with_adaptive_trees(stories, ragged):
   drafter = DraftModelTreeDrafter(model, depth=3, top_k=2, nodes=7)
   assert drafter.skips_rounds
   program, _ = prepare_program(model, drafter, *prompts, gamma="auto", max_new_tokens=NEW)
-  assert program.adaptive.widths == (1, 7) and program.gamma == 3
+  assert program.adaptive.widths == (1, 2, 3, 5, 7) and program.gamma == 3
   stretch, step = (speculate(model, params, d, perturbed(params, 0.3, seed=1), *prompts,
-                             gamma=_tree_auto(2.0), max_new_tokens=NEW, budgets_B=budgets,
+                             gamma=_tree_auto(7, 2.0), max_new_tokens=NEW, budgets_B=budgets,
                              eos_id=1)
                    for d in (drafter, EveryStep(model, depth=3, top_k=2, nodes=7)))
   for out in (stretch, step):
@@ -370,20 +373,22 @@ def test_greedy_identity_with_adaptive_trees(stories, ragged):
     assert np.array_equal(out.num_tokens, ref.num_tokens)
   m, m_step = summarize(stretch.metrics), summarize(step.metrics)
   widths = m["adaptive"]["width_rounds"]
-  assert widths[1] > 0 and widths[7] > 0, widths
+  assert widths[1] > 0 and sum(n > 0 for w, n in widths.items() if w > 1) >= 2, widths
   assert sum(widths.values()) == m["rounds"]
   assert (m["mean_accepted"], widths) == (m_step["mean_accepted"],
                                           m_step["adaptive"]["width_rounds"])
-  with pytest.raises(ValueError, match="whole tree"):
+  with pytest.raises(ValueError, match="tree cut to its first"):
     prepare_program(model, drafter, *prompts, max_new_tokens=NEW,
                     gamma=AdaptiveConfig(widths=(1, 2, 3)))
 
 
 @pytest.mark.parametrize("leak", [False, True])
 def test_sampled_distribution_with_adaptive_trees(small_pair, leak):
-  """Tree rounds, then plain steps where the estimates say the tree no longer pays (with a
-  learning rate of 1 a row that accepted nothing expects 1 token of the tree, which costs
-  2.05 steps): the joint distribution of the first DEPTH tokens stays the target's. The
+  """A tree cut to 2 nodes first (every node's estimate starts at the prior, 0.3: 1.3
+  tokens for 1.1 steps beat 1.6 for 1.5 and 2.2 for the whole tree's 2.05), then plain steps
+  for the rows still going (with a learning rate of 1 a row that accepted nothing expects
+  nothing of its first node: at most 1.9 tokens for 2.05 steps). The joint distribution of
+  the first DEPTH tokens stays the target's. The
   control peeks at the verdict (the tree verifier redraws the next token from p where it
   accepted nothing) and must fail."""
   from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
@@ -400,14 +405,65 @@ def test_sampled_distribution_with_adaptive_trees(small_pair, leak):
     return path_BR1, num_accepted_B, jnp.where(num_accepted_B == 0, fresh_B, next_B)
 
   out = speculate(target, tp, DraftModelTreeDrafter(draft, **SMALL_SHAPES["dynamic"]), dp,
-                  *pad_prompts([PROMPT] * SAMPLES), gamma=_tree_auto(2.05, learning_rate=1.0),
+                  *pad_prompts([PROMPT] * SAMPLES), gamma=AdaptiveConfig(
+                      target_costs=(1.0, 1.1, 1.5, 2.05), draft_cost=0.0,
+                      rules=AdaptiveRules(learning_rate=1.0, prior=0.3)),
                   max_new_tokens=DEPTH, sampling=sampling, key=jax.random.key(1),
                   verifier=peeking_tree_verifier if leak else None)
   assert (np.asarray(out.num_tokens) == DEPTH).all()
   widths = summarize(out.metrics)["adaptive"]["width_rounds"]
-  assert widths[1] > 0 and widths[5] > 0, widths
+  assert widths[2] > 0 and widths[1] > 0, widths
   p = pvalue_vs_exact(out.tokens, joint)
   assert p < SIGNIFICANCE if leak else p > SIGNIFICANCE
+
+
+def test_a_cut_tree_accepts_what_the_whole_tree_accepts_within_the_cut():
+  """Why a node's estimate holds for every cut that keeps it: greedy verification of a tree
+  cut to its first k nodes accepts the whole tree's path up to its first node >= k (random
+  topologically ordered trees, a 3-token vocabulary so that paths run deep)."""
+  from spec_jax.tree import TokenTree
+  from spec_jax.tree_speculative import first_nodes
+  from spec_jax.tree_verify import verify_tree
+  rng = np.random.default_rng(0)
+  batch, num_nodes, vocab, max_depth = 64, 9, 3, 8
+  parents_BN = np.full((batch, num_nodes), -1)
+  depth_BN = np.zeros((batch, num_nodes), int)
+  for i in range(1, num_nodes):
+    parents_BN[:, i] = rng.integers(0, i, batch)
+    depth_BN[:, i] = depth_BN[np.arange(batch), parents_BN[:, i]] + 1
+  tree = TokenTree(jnp.asarray(rng.integers(0, vocab, (batch, num_nodes)), jnp.int32),
+                   jnp.asarray(parents_BN, jnp.int32), jnp.asarray(depth_BN, jnp.int32),
+                   max_depth)
+  logits_BNV = jnp.asarray(rng.normal(size=(batch, num_nodes, vocab)), jnp.float32)
+  greedy, key = SamplingConfig(0.0), jax.random.key(0)
+  path_BR1, accepted_B, _ = map(np.asarray, verify_tree(tree, logits_BNV, greedy, key))
+  assert accepted_B.max() >= 3
+  for k in (2, 3, 5, 8):
+    cut_path_BR1, cut_accepted_B, cut_next_B = map(np.asarray, verify_tree(
+        first_nodes(tree, k), logits_BNV[:, :k], greedy, key))
+    for b in range(batch):
+      full = path_BR1[b, 1:accepted_B[b] + 1]
+      kept = full[:np.argmax(full >= k)] if (full >= k).any() else full
+      assert list(cut_path_BR1[b, 1:cut_accepted_B[b] + 1]) == list(kept), (k, b)
+      last = cut_path_BR1[b, cut_accepted_B[b]]
+      assert cut_next_B[b] == np.argmax(logits_BNV[b, last]), (k, b)
+
+
+def test_tree_budget_maximises_expected_tokens_per_cost():
+  """Two rows; node estimates [.9, .1, .8, .1] and [.9, .1, .1, .1]: cuts to 2, 3 and 5
+  nodes yield 2 + 1.8 = 3.8, 4.0 and 5.1 tokens, a plain step 2 at cost 1."""
+  from spec_jax.adaptive import choose_tree_budget
+  est_BZ = jnp.asarray([[.9, .1, .8, .1], [.9, .1, .1, .1]], jnp.float32)
+  active_B = jnp.asarray([True, True])
+  pick = lambda costs: tuple(map(np.asarray, choose_tree_budget(
+      est_BZ, active_B, (2, 3, 5), jnp.asarray(costs, jnp.float32))))
+  assert pick([1.0, 1.5, 1.7, 2.8]) == (0, True)  # 2.53, 2.35, 1.82 tokens per cost
+  assert pick([1.0, 1.9, 2.0, 2.2]) == (2, True)  # 2.0, 2.0, 2.32
+  assert pick([1.0, 2.0, 2.1, 2.6])[1] == False  # 1.9, 1.90, 1.96: none beats 2
+  # a finished row counts for nothing
+  best, pays = choose_tree_budget(est_BZ, jnp.asarray([True, False]), (2, 3, 5),
+                                  jnp.asarray([1.0, 1.5, 1.6, 2.0], jnp.float32))
+  assert (int(best), bool(pays)) == (2, True)  # 1.9/1.5, 1.9/1.6, 2.9/2.0 vs 1
 
 
 # --- the scheduler's look-ahead, forgetting, probe lengths (host-level, no generation) -----------
