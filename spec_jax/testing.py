@@ -40,6 +40,19 @@ def perturbed(params, scale: float, seed: int = 0):
       for leaf, k in zip(leaves, keys)])
 
 
+# The XLA:CPU option checks of compiled programs compile with, as users do. The test suite
+# compiles with the fusion emitters off (tests/conftest.py: a third less compile time), and
+# the legacy emitters copy a whole KV cache per step and split loops where the fusion
+# emitters update in place: what a check of copies or loop carries reads must be the
+# program users run.
+USER_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": True}
+
+
+def compiled_text(lowered) -> str:
+  """The optimised HLO of a jax Lowered, compiled with USER_COMPILER_OPTIONS."""
+  return lowered.compile(USER_COMPILER_OPTIONS).as_text()
+
+
 def whole_cache_copies(hlo_text: str, cache) -> list[str]:
   """The sources of copies of a whole K or V buffer of `cache` (a KVCache) in compiled HLO
   text, except copies of a broadcast (the zero-initialised cache, before any loop). In a

@@ -13,7 +13,8 @@ import pytest
 # optimisations off, XLA:CPU compiles about a third faster (the suite's programs run a little
 # slower, which they can afford). Set before jax makes its backend; the xdist workers and the
 # subprocesses the tests start inherit it. SPEC_JAX_TEST_OPTIMIZED=1 keeps XLA's defaults.
-_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                       " --xla_cpu_use_fusion_emitters=false")
 if (os.environ.get("SPEC_JAX_TEST_OPTIMIZED") != "1"
     and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAGS}".strip()

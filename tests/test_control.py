@@ -15,7 +15,7 @@ from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.factory import make_drafter
 from spec_jax.engine import lower
 from spec_jax.generate import pad_prompts
-from spec_jax.testing import whole_cache_copies
+from spec_jax.testing import compiled_text, whole_cache_copies
 
 
 def test_in_place_branches_compute_what_lax_cond_and_switch_do():
@@ -55,6 +55,6 @@ def test_speculative_rounds_copy_no_whole_kv_cache(kind, gamma, batch):
     gamma = AdaptiveConfig(4, target_costs=(1.0, 1.1, 1.2, 1.3), draft_cost=0.5)
   tokens, lengths = pad_prompts([[1, 2, 3]] * batch, width=8)
   cache_len = 40
-  text = lower(model, params, drafter, draft_params, tokens, lengths, gamma=gamma,
-               max_new_tokens=16, cache_len=cache_len).compile().as_text()
+  text = compiled_text(lower(model, params, drafter, draft_params, tokens, lengths, gamma=gamma,
+               max_new_tokens=16, cache_len=cache_len))
   assert whole_cache_copies(text, model.init_cache(batch, cache_len)) == []

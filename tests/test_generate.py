@@ -283,10 +283,10 @@ def test_the_decode_loop_copies_no_whole_kv_cache(batch):
   # the written layer elementwise). Copies of the zero-initialised cache before the loop
   # (copies of a broadcast) are allowed.
   from spec_jax.bench.cases import ar_case
-  from spec_jax.testing import whole_cache_copies
+  from spec_jax.testing import compiled_text, whole_cache_copies
   model, params = tiny_llama(vocab_size=64, dim=128, n_heads=4, n_kv_heads=2, hidden_dim=64)
   tokens, lengths = pad_prompts([[1, 2, 3]] * batch, width=8)
   cache_len = 40
-  text = ar_case(model, params, max_new_tokens=16, cache_len=cache_len).lower(
-      tokens, lengths).compile().as_text()
+  text = compiled_text(ar_case(model, params, max_new_tokens=16, cache_len=cache_len).lower(
+      tokens, lengths))
   assert whole_cache_copies(text, model.init_cache(batch, cache_len)) == []
