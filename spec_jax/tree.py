@@ -25,7 +25,7 @@ Builders:
     each level of the tree (children = top-k of the node's own draft distribution);
   * dynamic (EAGLE-2-style) trees, `grow_dynamic_tree`: each depth expands the top_k nodes
     of the previous depth with the best cumulative draft log-prob, then the num_nodes - 1
-    best candidates overall become the tree. Fixed shapes throughout.
+    best candidates overall become the tree, best first. Fixed shapes throughout.
 Both growers call back into the drafter (`expand_fn`) to score the nodes of one level, with
 what it needs for tree attention over its own block of slots (see `Expansion`).
 """
@@ -248,12 +248,14 @@ def grow_dynamic_tree(root_logp_BV: jax.Array, pending_B: jax.Array, expand_fn: 
     offset += k * k
 
   scores_BY = jnp.concatenate(cand_scores, axis=1)
-  # chosen candidates in index order: depth by depth, so parents precede children
-  chosen_BZ = jnp.sort(_best(scores_BY, num_nodes - 1), axis=1)
+  # chosen candidates best first: a parent scores at least its child and wins ties (its
+  # candidate index is lower), so parents precede children; siblings keep their rank order;
+  # and the first k nodes are the tree a budget of k would have grown (gamma="auto" cuts it)
+  chosen_BZ = _best(scores_BY, num_nodes - 1)
   tokens_BZ = jnp.take_along_axis(jnp.concatenate(cand_tokens, axis=1), chosen_BZ, axis=1)
   parent_cand_BZ = jnp.take_along_axis(jnp.concatenate(cand_parents, axis=1), chosen_BZ, axis=1)
-  # node index of the parent: 1 + its rank among the chosen (its parent is always chosen)
-  parent_node_BZ = 1 + jnp.sum(chosen_BZ[:, None, :] < parent_cand_BZ[:, :, None], axis=2)
+  # node index of the parent: 1 + where it is among the chosen (a parent is always chosen)
+  parent_node_BZ = 1 + jnp.argmax(chosen_BZ[:, None, :] == parent_cand_BZ[:, :, None], axis=2)
   parent_node_BZ = jnp.where(parent_cand_BZ < 0, 0, parent_node_BZ).astype(jnp.int32)
   depth_BZ = jnp.asarray(np.concatenate(cand_depths))[chosen_BZ]
   tree = TokenTree(

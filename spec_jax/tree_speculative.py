@@ -65,8 +65,9 @@ def propose_tree_round(drafter: TreeDrafter, max_depth: int, sampling: SamplingC
 def first_nodes(tree: TokenTree, num_nodes: int) -> TokenTree:
   """The tree cut to its first num_nodes nodes (static). Nodes are in topological order, so
   this is a tree; the cut depends on nothing drawn, so verifying it is as lossless as
-  verifying the whole (and for an EAGLE-2-style dynamic tree, ordered best first, it is the
-  tree that budget would have grown). max_depth stays: the accepted path keeps its shape."""
+  verifying the whole. A dynamic tree (grow_dynamic_tree: best first) cut to k nodes is the
+  tree a budget of k would have grown; a static one keeps its first choices. max_depth
+  stays: the accepted path keeps its shape."""
   if num_nodes == tree.num_nodes:
     return tree
   cut = lambda x: None if x is None else x[:, :num_nodes]
