@@ -36,18 +36,21 @@ def compact_path(cache: KVCache, start_B: jax.Array, path_BR1: jax.Array) -> KVC
 
   All sources are read before any write, so a path may read a slot it also overwrites.
   Padding entries of the path (past the accepted length) copy the root into stale slots.
+  Rows are indexed with an iota (XLA's partitioner keeps such a gather and scatter local to
+  each shard of a sharded batch); a vmap over the batch axis instead made XLA:CPU carry the
+  caches in a batch-minor layout, with two whole-cache copies of k and v every round.
   """
   depth_R1 = jnp.arange(path_BR1.shape[1], dtype=jnp.int32)
   src_BR1 = start_B[:, None] + path_BR1
   dst_BR1 = start_B[:, None] + depth_R1[None, :]
+  row_BR1 = jnp.broadcast_to(jnp.arange(path_BR1.shape[0], dtype=jnp.int32)[:, None],
+                             path_BR1.shape)
 
-  def move_row(kv_LKES, src_R1, dst_R1):  # one row of k or v, slots minor
-    return kv_LKES.at[..., dst_R1].set(kv_LKES[..., src_R1], mode="drop")
+  def move(kv_LBKES):  # the indexed entries come out as [B, R1, L, K, E]
+    return kv_LBKES.at[:, row_BR1, :, :, dst_BR1].set(kv_LBKES[:, row_BR1, :, :, src_BR1],
+                                                      mode="drop")
 
-  # vmap over rows: local to each shard when the batch is sharded
-  mover = jax.vmap(move_row, in_axes=(1, 0, 0), out_axes=1)
-  return cache.replace(k_LBKES=mover(cache.k_LBKES, src_BR1, dst_BR1),
-                       v_LBKES=mover(cache.v_LBKES, src_BR1, dst_BR1))
+  return cache.replace(k_LBKES=move(cache.k_LBKES), v_LBKES=move(cache.v_LBKES))
 
 
 def propose_tree_round(drafter: TreeDrafter, max_depth: int, sampling: SamplingConfig,

@@ -58,3 +58,23 @@ def test_speculative_rounds_copy_no_whole_kv_cache(kind, gamma, batch):
   text = compiled_text(lower(model, params, drafter, draft_params, tokens, lengths, gamma=gamma,
                max_new_tokens=16, cache_len=cache_len))
   assert whole_cache_copies(text, model.init_cache(batch, cache_len)) == []
+
+
+@pytest.mark.parametrize("gamma,batch", [(None, 1), ("auto", 3)])
+def test_tree_rounds_copy_no_whole_kv_cache(gamma, batch):
+  # Compacting the accepted path with a vmap over the batch axis made XLA:CPU carry the
+  # caches batch-minor, copying k and v whole twice a round; gamma="auto" adds a branch per
+  # node budget, each of which must update in place too.
+  from spec_jax.drafters.registry import TreeOptions
+  model, params = tiny_llama(vocab_size=64, dim=128, n_heads=4, n_kv_heads=2, hidden_dim=64)
+  draft, draft_params = tiny_llama(vocab_size=64, dim=32, n_heads=2, n_kv_heads=1,
+                                   hidden_dim=32, n_layers=1, seed=3)
+  drafter, draft_params = make_drafter("draft_model", model, params, draft_model=draft,
+                                       draft_params=draft_params,
+                                       tree=TreeOptions(depth=3, top_k=2, nodes=7))
+  if gamma == "auto":
+    gamma = AdaptiveConfig(target_costs=(1.0, 1.1, 1.2, 1.25, 1.3), draft_cost=0.5)
+  tokens, lengths = pad_prompts([[1, 2, 3]] * batch, width=8)
+  text = compiled_text(lower(model, params, drafter, draft_params, tokens, lengths, gamma=gamma,
+                             max_new_tokens=16, cache_len=40))
+  assert whole_cache_copies(text, model.init_cache(batch, 40)) == []
