@@ -39,8 +39,8 @@ def prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B, *,
   Chains draft `gamma` tokens a round; a tree drafter's depth sets its draft length (gamma
   must be None or "auto"). gamma="auto" (or a spec_jax.adaptive.AdaptiveConfig) adapts the
   draft length per row and the verification width per round (spec_jax.adaptive; a tree's
-  rounds verify the tree cut to a node budget, or run plain steps); without a cost table this uses
-  default costs (`speculate` measures them). `verifier` defaults to verify
+  rounds verify the tree cut to a node budget, or run plain steps); without a cost table
+  this uses default costs (`speculate` measures them). `verifier` defaults to verify
   (chains) or verify_tree (trees).
   """
   common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, key=key,

@@ -36,8 +36,7 @@ def compact_path(cache: KVCache, start_B: jax.Array, path_BR1: jax.Array) -> KVC
 
   All sources are read before any write, so a path may read a slot it also overwrites.
   Padding entries of the path (past the accepted length) copy the root into stale slots.
-  Rows are indexed with an iota (XLA's partitioner keeps such a gather and scatter local to
-  each shard of a sharded batch); a vmap over the batch axis instead made XLA:CPU carry the
+  Rows are indexed with an iota: a vmap over the batch axis instead made XLA:CPU carry the
   caches in a batch-minor layout, with two whole-cache copies of k and v every round.
   """
   depth_R1 = jnp.arange(path_BR1.shape[1], dtype=jnp.int32)

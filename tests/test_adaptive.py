@@ -350,8 +350,9 @@ def _tree_auto(num_nodes, tree_cost, learning_rate=0.3):
 def test_greedy_identity_with_adaptive_trees(stories, ragged):
   """A draft-model tree with gamma=auto: the same tokens as autoregressive decoding, with
   plain steps and cut trees of more than one budget used (the whole tree costing 2 steps
-  pays only while drafts are accepted), one compile for the program. Plain stretches (one catch_up_after each, the
-  draft model untouched in between) draft what catching up in every plain step drafts."""
+  pays only while drafts are accepted), one compile for the program. Plain stretches (one
+  catch_up_after each, the draft model untouched in between) draft what catching up in
+  every plain step drafts."""
   from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
   model, params = stories
   prompts, budgets, ref = ragged
