@@ -636,23 +636,21 @@ class AdaptiveTreeRound(AdaptiveRound):
         drafter, gamma, sampling, verifier, draft_params, eos_id, s)
 
     def verify(k):
-      def branch(c):
-        verified = verify_tree_round(target, sampling, verifier, params, ctx,
-                                     first_nodes(tree, k), c[0][0], verify_key)
-        # the deepest draft a row's cut tree holds: its verified length
-        reach_B = jnp.max(tree.depth_BN[:, :k], axis=1)
-        return verified, reach_B
-      return branch
+      return lambda c: verify_tree_round(target, sampling, verifier, params, ctx,
+                                         first_nodes(tree, k), c[0], verify_key)
 
-    shapes = jax.eval_shape(lambda cache: verify(budgets[-1])(((cache,),)), s.cache)
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    carry = ((s.cache,) + zeros[0][1:], zeros[1])
-    verified, reach_B = switch_in_place(budget_idx, [verify(k) for k in budgets], carry)
+    shapes = jax.eval_shape(lambda cache: verify(budgets[-1])((cache,)), s.cache)
+    carry = (s.cache,) + jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1:])
+    verified = switch_in_place(budget_idx, [verify(k) for k in budgets], carry)
+    num_verified = jnp.asarray(budgets, jnp.int32)[budget_idx]
+    # the deepest draft a row's cut tree holds: its verified length
+    reach_B = jnp.max(jnp.where(jnp.arange(tree.num_nodes) < num_verified, tree.depth_BN, 0),
+                      axis=1)
     new = commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, tree,
                             draft_state, verified)
     _, path_BR1, num_accepted_B, *_ = verified
     stats = new.metrics.adaptive.update_nodes(
-        active_B, jnp.asarray(budgets, jnp.int32)[budget_idx], path_BR1, num_accepted_B,
+        active_B, num_verified, path_BR1, num_accepted_B,
         learning_rate=rules.learning_rate, prior=rules.prior, forget=rules.forget)
     new = new.replace(metrics=new.metrics.replace(adaptive=stats))
     admitted_B = jnp.where(active_B, reach_B, 0).astype(jnp.int32)

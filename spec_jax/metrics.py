@@ -8,6 +8,13 @@ import numpy as np
 from flax import struct
 
 
+def _learn(estimate, seen, hit, learning_rate, unseen, prior, forget):
+  """The online estimates' step: where seen, an exponential moving average towards hit;
+  where unseen, `forget` of the way back to the prior."""
+  estimate = jnp.where(seen, estimate + learning_rate * (hit - estimate), estimate)
+  return jnp.where(unseen, estimate + forget * (prior - estimate), estimate)
+
+
 @struct.dataclass
 class AdaptiveStats:
   """Adaptive speculation's per-row state and counters (spec_jax.adaptive), carried in the
@@ -46,11 +53,9 @@ class AdaptiveStats:
     on_path_BZ = jnp.any((path_BR1[:, 1:, None] == node_Z[None, None, :]) & taken_BR[..., None],
                          axis=1).astype(jnp.float32)
     verified_BZ = active_B[:, None] & (node_Z < num_verified)[None, :]
-    est_BZ = self.node_estimate_BZ
-    est_BZ = jnp.where(verified_BZ, est_BZ + learning_rate * (on_path_BZ - est_BZ), est_BZ)
-    est_BZ = jnp.where(active_B[:, None] & ~verified_BZ, est_BZ + forget * (prior - est_BZ),
-                       est_BZ)
-    return self.replace(node_estimate_BZ=est_BZ)
+    return self.replace(node_estimate_BZ=_learn(
+        self.node_estimate_BZ, verified_BZ, on_path_BZ, learning_rate,
+        active_B[:, None] & ~verified_BZ, prior, forget))
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
@@ -67,10 +72,9 @@ class AdaptiveStats:
     if empty_B is not None:  # a row the drafter had nothing for: its first draft missed
       seen_BG |= (drafted & active_B & empty_B)[:, None] & (j_G == 0)
     hit_BG = (j_G < num_accepted_B[:, None]).astype(jnp.float32)
-    estimate_BG = jnp.where(seen_BG, self.estimate_BG + learning_rate * (hit_BG - self.estimate_BG),
-                            self.estimate_BG)
     unseen_BG = (drafted & active_B)[:, None] & ~seen_BG & (j_G >= 1)
-    estimate_BG = jnp.where(unseen_BG, estimate_BG + forget * (prior - estimate_BG), estimate_BG)
+    estimate_BG = _learn(self.estimate_BG, seen_BG, hit_BG, learning_rate, unseen_BG, prior,
+                         forget)
     gamma_B = self.gamma_B
     if schedule:
       verified_B = drafted & active_B & (admitted_B > 0)

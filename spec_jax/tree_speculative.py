@@ -60,8 +60,8 @@ def propose_tree_round(drafter: TreeDrafter, max_depth: int, sampling: SamplingC
   tree, draft_state = drafter.propose_tree(draft_params, s.draft_state, ctx, sampling, draft_key)
   if tree.max_depth != max_depth:
     raise ValueError(f"the drafter's tree has max_depth {tree.max_depth}, expected {max_depth}")
-  return ctx, key, verify_key, tree.replace(tokens_BN=tree.tokens_BN.at[:, 0].set(s.pending_B)), \
-      draft_state
+  tree = tree.replace(tokens_BN=tree.tokens_BN.at[:, 0].set(s.pending_B))
+  return ctx, key, verify_key, tree, draft_state
 
 
 def first_nodes(tree: TokenTree, num_nodes: int) -> TokenTree:

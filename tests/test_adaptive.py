@@ -339,12 +339,12 @@ def test_probe_interval_grows_after_empty_probes_and_resets_after_a_hit():
 
 # --- trees: each round a node budget or plain steps -------------------------------------------
 
-def _tree_auto(num_nodes, tree_cost, learning_rate=0.3):
+def _tree_auto(num_nodes, tree_cost):
   """Costs rising in a line from a plain step (1) to the whole tree (tree_cost)."""
   widths = tree_widths(num_nodes)
   return AdaptiveConfig(target_costs=tuple(1 + (tree_cost - 1) * (w - 1) / (num_nodes - 1)
                                            for w in widths),
-                        draft_cost=0.0, rules=AdaptiveRules(learning_rate=learning_rate))
+                        draft_cost=0.0, rules=AdaptiveRules(learning_rate=0.3))
 
 
 def test_greedy_identity_with_adaptive_trees(stories, ragged):
