@@ -56,7 +56,8 @@ SCENARIOS = {
                   sc.step_roofline, sections.step_roofline),
     "6": Scenario("the real model: SmolLM2-135M-Instruct, chat prompts (greedy, no EOS)",
                   sc.real_model, real_model_section),
-    "7": Scenario("batch sweep: the built-in pair at batch 1-64, fixed gamma and auto (greedy)",
+    "7": Scenario("batch sweep at batch 1-64, fixed gamma and auto: the built-in pair (greedy) "
+                  "and the memory-bound target at synthetic acceptance (LOSSY)",
                   sc.batch_sweep, sections.batch_sweep),
     "8": Scenario("batch baseline: stories260K autoregressive at batch 1-256 (greedy)",
                   sc.batch_baseline, sections.batch_baseline),

@@ -730,25 +730,43 @@ def _abstract(tree) -> tuple:
                         else (np.shape(x), np.result_type(x)) for x in leaves)
 
 
-LOOP_PASSES = 16  # passes per timed call: a call's dispatch and cache copy are spread thin
+LOOP_PASSES = 16  # most passes per timed call: a call's dispatch and cache copy are spread thin
+CALL_SECONDS = 0.02  # a timed call this long spreads them thin enough (a pass: ~0.1-2 ms small)
+MEASURE_SECONDS = 4.0  # the timed repeats' budget: large batches of large models repeat less
+
+
+def timing_plan(one_pass_seconds: list[float], repeats: int) -> tuple[list[int], int]:
+  """(passes per timed call for each thunk, repeats) from one call of one pass each.
+
+  A small model's pass (~0.1 ms) is timed as LOOP_PASSES passes a call, or dispatch would
+  dominate; a large batch of a large model on a CPU (a 292M target's 9-token pass at 64
+  rows: seconds) needs no more than one or two a call, and fewer repeats, so the start-up
+  table takes seconds, not the quarter of an hour 16 passes x 6 calls x 5 widths would."""
+  passes = [int(min(LOOP_PASSES, max(1, math.ceil(CALL_SECONDS / max(t, 1e-9)))))
+            for t in one_pass_seconds]
+  per_round = sum(p * t for p, t in zip(passes, one_pass_seconds))
+  return passes, int(max(1, min(repeats, MEASURE_SECONDS // max(per_round, 1e-9))))
 
 
 def _interleaved_seconds(thunks, repeats: int) -> list[float]:
-  """The fastest of `repeats` timings of each thunk, taken in turn (round robin).
+  """The fastest of `repeats` timings of each thunk, taken in turn (round robin; each thunk
+  compiled and warmed up by the caller).
 
   The table's decisions compare costs with each other (tokens per second of one plan
   against another), so what matters is their ratios. Taking the thunks in turn puts a burst
   of another process's load on all of them alike; the minimum is the estimate least moved
   by such bursts (on this shared 2-core CPU one-off medians swung 1.2-1.6x)."""
-  for thunk in thunks:
-    jax.block_until_ready(thunk())  # compile and warm up
   best = [math.inf] * len(thunks)
   for _ in range(repeats):
     for i, thunk in enumerate(thunks):
-      t0 = time.perf_counter()
-      jax.block_until_ready(thunk())
-      best[i] = min(best[i], time.perf_counter() - t0)
+      best[i] = min(best[i], _seconds(thunk))
   return best
+
+
+def _seconds(thunk) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(thunk())
+  return time.perf_counter() - t0
 
 
 def measure_costs(program, params, draft_params, args, repeats: int = 5):
@@ -756,12 +774,13 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
   this program's batch size and cache length -> (target_costs, draft_cost,
   first_draft_cost), in seconds.
 
-  Each is timed as the loop runs it: LOOP_PASSES passes in a `lax.fori_loop` that carries
-  and writes the cache (the drafter's state), each pass fed from the one before, so neither
-  a call's dispatch nor copying the cache into a fresh call is charged to a pass (timed one
-  call a pass, a one-token pass cost 2-3x the loop's step). Cached per program, batch shape
-  and params' shapes and dtypes (int8 and float32 params of one model are different
-  programs); start-up cost: a few small compiles."""
+  Each is timed as the loop runs it: passes in a `lax.fori_loop` that carries and writes the
+  cache (the drafter's state), each pass fed from the one before, so neither a call's
+  dispatch nor copying the cache into a fresh call is charged to a pass (timed one call a
+  pass, a small model's one-token pass cost 2-3x the loop's step). How many passes a call
+  and how many repeats follow from one timed pass of each (`timing_plan`). Cached per
+  program, batch shape and params' shapes and dtypes (int8 and float32 params of one model
+  are different programs); start-up cost: a few small compiles."""
   cfg = program.adaptive.resolved()
   tokens_BP, lengths_B, budgets_B, eos, _, key = args
   cache_key = (program.target, program.drafter, program.sampling, program.cache_len,
@@ -769,10 +788,10 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
-  target, n = program.target, LOOP_PASSES
+  target = program.target
 
   @functools.partial(jax.jit, static_argnums=0)
-  def target_passes(w, params, cache, length_B):
+  def target_passes(w, params, cache, length_B, passes):
     positions_BW = length_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
 
     def one(_, c):
@@ -781,10 +800,10 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
       logits_BWV, _, cache = target.apply(params, tokens_BW, positions_BW, cache)
       return cache, jnp.argmax(logits_BWV[:, -1], axis=-1).astype(jnp.int32)
 
-    return jax.lax.fori_loop(0, n, one, (cache, jnp.zeros_like(length_B)))[1]
+    return jax.lax.fori_loop(0, passes, one, (cache, jnp.zeros_like(length_B)))[1]
 
   @jax.jit
-  def draft_passes(draft_params, s, key, max_drafts):
+  def draft_passes(draft_params, s, key, max_drafts, passes):
     def one(_, c):
       draft_state, pending_B = c
       ctx = DraftContext(s.seq_BS, s.cache.length_B, pending_B, None, max_drafts)
@@ -796,17 +815,24 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
                                                           cfg.gamma_max, program.sampling, key)
       return draft_state, drafts_BG[:, -1]
 
-    return jax.lax.fori_loop(0, n, one, (s.draft_state, s.pending_B))[1]
+    return jax.lax.fori_loop(0, passes, one, (s.draft_state, s.pending_B))[1]
 
-  thunks = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
-            for w in cfg.widths]
+  # thunks of the number of passes (traced: one compile each whatever the plan)
+  runs = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
+          for w in cfg.widths]
   # one program for both points (max_drafts is traced): the drafts it stops making; a tree
   # drafts whole (one point). A tree's pass is timed as a chain pass over its nodes, without
   # the tree mask, path compaction and tree verification (so a tree round is undercharged)
   points = (cfg.gamma_max,) if program.drafter.is_tree else (cfg.gamma_max, 1)
-  thunks += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
-             for m in points]
-  seconds = [t / n for t in _interleaved_seconds(thunks, repeats)]
+  runs += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
+           for m in points]
+  one = []
+  for run in runs:
+    jax.block_until_ready(run(jnp.int32(1)))  # compile and warm up
+    one.append(_seconds(functools.partial(run, jnp.int32(1))))
+  passes, repeats = timing_plan(one, repeats)
+  thunks = [functools.partial(run, jnp.int32(n)) for run, n in zip(runs, passes)]
+  seconds = [t / n for t, n in zip(_interleaved_seconds(thunks, repeats), passes)]
   # a wider pass does at least a narrower one's work: a dip in the timings (noise on a
   # shared machine) must not make a verification look cheaper than a plain step, or a
   # useless draft would look worth trying in every round

@@ -107,14 +107,31 @@ def test_measured_target_costs_never_fall_with_width(small_pair, monkeypatch):
   from spec_jax import adaptive
   target, tp, draft_model, dp = small_pair
   timings = [3.0, 2.0, 4.0, 3.5, 1.0, 0.5]  # widths 1, 2, 3, 5; 4 drafts; one draft
+  monkeypatch.setattr(adaptive, "timing_plan", lambda one, repeats: ([2] * len(one), 1))
   monkeypatch.setattr(adaptive, "_interleaved_seconds",
-                      lambda thunks, repeats: [t * adaptive.LOOP_PASSES for t in timings])
+                      lambda thunks, repeats: [t * 2 for t in timings])
   monkeypatch.setattr(adaptive, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
                                   gamma=AdaptiveConfig(4), max_new_tokens=4)
   assert program.adaptive.resolved().widths == (1, 2, 3, 5)
   costs, draft, first = adaptive.measure_costs(program, tp, dp, args, repeats=1)
   assert costs == (3.0, 3.0, 4.0, 4.0) and (draft, first) == (1.0, 0.5)
+
+
+def test_timing_plan_bounds_the_start_up_measurement():
+  """Small passes are timed many to a call (dispatch spread thin) with every repeat asked
+  for; slow ones (a large model at a large batch on a CPU) one or two to a call, with fewer
+  repeats, so measuring the table stays within MEASURE_SECONDS however large the pass."""
+  from spec_jax.adaptive import LOOP_PASSES, MEASURE_SECONDS, timing_plan
+  passes, repeats = timing_plan([1e-4, 2e-4, 5e-4], repeats=5)
+  assert passes == [LOOP_PASSES] * 3 and repeats == 5
+  passes, repeats = timing_plan([0.8, 1.2, 5.0], repeats=5)  # seconds a pass
+  assert passes == [1, 1, 1] and repeats == 1
+  slow = [0.004, 0.011, 1.0]
+  passes, repeats = timing_plan(slow, repeats=5)
+  assert passes == [5, 2, 1]  # calls of at least CALL_SECONDS (0.02 s)
+  # a round of calls takes 1.042 s: 3 rounds fit the 4 s budget, 5 would not
+  assert MEASURE_SECONDS == 4.0 and repeats == 3
 
 
 def test_drafting_costs_follow_the_two_measured_points():

@@ -267,6 +267,34 @@ def test_batch_sweep_and_auto_tables_from_records(tmp_path):
   assert "batch 4: {'1': 3, '2': 5}" in text
   report.plot_batch_sweep(sweep, tmp_path / "sweep.png")
   assert (tmp_path / "sweep.png").stat().st_size > 1000
+  # two targets: a table each, with the mean width auto verified
+  two = {"batches": [1, 4], "models": ["a", "b"],
+         "rows": [dict(r, model=m) for m in ("a", "b") for r in sweep["rows"]]}
+  text = "\n".join(sections.batch_sweep(two))
+  assert text.count("| d, gamma auto | 1.5 | 2 |") == 2 and "**a**" in text and "**b**" in text
+  assert "batch 4: {'1': 3, '2': 5} (1.62)" in text, text
+  report.plot_batch_sweep(two, tmp_path / "two.png")
+  assert (tmp_path / "two.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_batch_sweep_runs_the_synthetic_target_with_auto():
+  # scenario 7's memory-bound part on a tiny plan: autoregressive, a fixed gamma and auto at
+  # a batch of two, timed against autoregressive at that batch, auto's widths reported
+  import dataclasses
+  from spec_jax.bench import sections
+  from spec_jax.bench.scenarios import QUICK, batch_sweep
+  plan = dataclasses.replace(QUICK, sw_kinds=(), sw_batches=(2,), sw_synthetic_new=6,
+                             repeats=1)
+  result = batch_sweep(plan, {})
+  assert result["status"] == "ok" and len(result["models"]) == 1, result.get("notes")
+  rows = _ok_rows(result)
+  assert len(rows) == len(result["rows"]) == 3  # AR, gamma 2, auto
+  for r in rows:
+    assert r["speedup"] > 0 and r["model"] == result["models"][0]
+    if r["gamma"] == "auto":
+      assert sum(r["width_rounds"].values()) == r["rounds"] > 0
+  assert "rounds per width (mean width)" in "\n".join(sections.batch_sweep(result))
 
 
 def test_batch_baseline_scenario_reports_steps_per_batch():

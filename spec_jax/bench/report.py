@@ -179,21 +179,22 @@ def plot_accepted(results: dict, path: Path, keys) -> None:
 
 
 def plot_batch_sweep(sweep: dict, path: Path) -> None:
-  """Scenario 7: speed-up over autoregressive against batch size, a line per row (dotted:
-  gamma="auto")."""
-  fig, (ax,) = _panels_figure([("batch sweep", sweep["rows"])])
-  labels = dict.fromkeys(r["label"] for r in sweep["rows"]
-                         if r["method"] != "autoregressive" and "error" not in r)
-  for label in labels:
-    pts = sorted((r["batch"], r["speedup"]) for r in sweep["rows"]
-                 if r["label"] == label and "error" not in r)
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], ":o" if label.endswith("auto") else "o-",
-            label=label)
-  ax.axhline(1.0, color="gray", lw=0.8)
-  ax.set_xscale("log", base=2)
-  ax.set(title="built-in pair: speed-up vs batch size", xlabel="batch size",
-         ylabel="speed-up vs autoregressive")
-  ax.legend(fontsize=6)
+  """Scenario 7: speed-up over autoregressive against batch size, a panel per target and a
+  line per row (dotted: gamma="auto")."""
+  models = list(dict.fromkeys(r.get("model") for r in sweep["rows"]))
+  panels = [(m, [r for r in sweep["rows"] if r.get("model") == m and "error" not in r])
+            for m in models]
+  fig, axes = _panels_figure(panels)
+  for ax, (model, rows) in zip(axes, panels):
+    for label in dict.fromkeys(r["label"] for r in rows if r["method"] != "autoregressive"):
+      pts = sorted((r["batch"], r["speedup"]) for r in rows if r["label"] == label)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts],
+              ":o" if label.endswith("auto") else "o-", label=label)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(title=f"{model or 'built-in pair'}: speed-up vs batch size", xlabel="batch size",
+           ylabel="speed-up vs autoregressive")
+    ax.legend(fontsize=6)
   _save(fig, path)
 
 

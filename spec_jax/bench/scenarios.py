@@ -72,6 +72,10 @@ class Plan:
   sw_gammas: tuple[int, ...] = (2, 4)
   sw_new: int = 128
   sw_kinds: tuple[str, ...] = ("draft_model", "lookup+draft_model")
+  # ... and scenario 3's memory-bound target with its draft at this synthetic acceptance
+  # (None: not swept); fewer new tokens: at 64 rows its CPU step takes most of a second
+  sw_synthetic_alpha: float | None = 0.8
+  sw_synthetic_new: int = 32
   # scenario 8, the batch baseline: stories260K autoregressive at these batch sizes
   bb_batches: tuple[int, ...] = (1, 4, 16, 64, 256)
   bb_new: int = 128
@@ -106,6 +110,7 @@ QUICK = Plan(
     repeats=3, compile_workers=2, s1_batches=(1,), s1_gammas=(3,), s1_new=16,
     s1_auto=("prompt lookup",), s1_kinds=("draft_model", "prompt_lookup"), s2_gammas=(3,),
     s2_prompts=2, s2_new=16, s2_auto=False, s2_block_gammas=(3,), sw_batches=(1, 2), sw_gammas=(2,), sw_new=8,
+    sw_synthetic_new=8,
     bb_batches=(1, 4), bb_new=8,
     s3_target=dict(vocab_size=8000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=688),
     s3_draft=dict(vocab_size=8000, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=172),
@@ -333,35 +338,93 @@ def auto_vs_best_fixed(rows: list[dict]) -> list[dict]:
 # ---- scenario 7: the batch sweep ---------------------------------------------------------------
 
 def batch_sweep(plan: Plan, ctx: dict) -> dict:
-  """The built-in pair at each batch size: autoregressive, then the draft model and lookup +
-  draft model at fixed gammas and with gamma="auto" (the code prompts, repeated to fill the
-  batch). Speed-ups over autoregressive at the same batch, and the widths auto chose."""
+  """Speculation against autoregressive decoding at each batch size, fixed gammas and
+  gamma="auto", on two targets: the built-in pair (draft model, lookup + draft model; the
+  code prompts repeated to fill the batch) and the memory-bound random target of scenario 3
+  with its draft at synthetic acceptance `sw_synthetic_alpha` (LOSSY: a coin decides each
+  draft; engine only). Speed-ups over autoregressive at the same batch and target, and the
+  widths auto chose (rows carry `model`)."""
+  parts = [_builtin_sweep(plan)]
+  if plan.sw_synthetic_alpha is not None:
+    parts.append(_synthetic_sweep(plan, ctx))
+  done = [p for p in parts if p["status"] == "ok"]
+  if not done:
+    return parts[0]
+  return {"status": "ok", "batches": list(plan.sw_batches),
+          "models": [p["model"] for p in done],
+          "max_new_tokens": {p["model"]: p["max_new_tokens"] for p in done},
+          "rows": [r for p in done for r in p["rows"]],
+          "groups": [g for p in done for g in p["groups"]],
+          "notes": [f"{p.get('model', 'a part')}: {p['status']}: {p.get('note', '')}"
+                    for p in parts if p["status"] != "ok"]}
+
+
+def _sweep_groups(plan: Plan, model: str, cases_at, measure_and_check, *, lossy: bool) -> tuple:
+  """Runs cases_at(batch) at each batch size -> (rows tagged with `model`, groups)."""
+  rows, groups = [], []
+  for batch in plan.sw_batches:
+    measured, check = measure_and_check(batch)
+    records, outs, group = run_group(cases_at(batch), [measured], [check],
+                                     **group_kw(plan, f"S7 {model} b{batch}"))
+    rows += [dict(r, model=model) for r in finish_rows(records, outs, "autoregressive",
+                                                       lossy=lossy)]
+    groups.append({"model": model, "batch": batch, **group})
+  return rows, groups
+
+
+def _builtin_sweep(plan: Plan) -> dict:
+  if not plan.sw_kinds:
+    return skipped("no built-in pair drafters in the plan (sw_kinds)")
   setup = builtin_setup(plan, len(CODE_PROMPTS), max(*plan.sw_gammas, DEFAULT_GAMMA_MAX),
                         plan.sw_new)
   if isinstance(setup, dict):
     return setup
   target, params, draft, draft_params, _, prompts, width, new, cache_len = setup
-  common0 = dict(max_new_tokens=new, cache_len=cache_len)
   drafters = [("draft model (built-in)", "draft_model"),
               ("prompt lookup + draft model", "lookup+draft_model")]
   built = [(label, kind) + build_drafter(kind, target, params, draft_model=draft,
                                          draft_params=draft_params)
            for label, kind in drafters if kind in plan.sw_kinds]
-  rows, groups = [], []
-  for batch in plan.sw_batches:
-    measured, check = prompt_sets(prompts, batch, width)
-    common = dict(common0, batch=batch)
+
+  def cases_at(batch):
+    common = dict(max_new_tokens=new, cache_len=cache_len, batch=batch)
     cases = [ar_case(target, params, **common)]
     for label, kind, d, dp in built:
       cases += [spec_case(target, params, d, dp, gamma=g, label=f"{label}, gamma {g}",
                           drafter=label, kind=kind, **common)
                 for g in (*plan.sw_gammas, "auto")]
-    records, outs, group = run_group(cases, [measured], [check],
-                                     **group_kw(plan, f"S7 b{batch}"))
-    rows += finish_rows(records, outs, "autoregressive")
-    groups.append({"batch": batch, **group})
-  return {"status": "ok", "max_new_tokens": new, "batches": list(plan.sw_batches),
-          "rows": rows, "groups": groups, "notes": []}
+    return cases
+
+  rows, groups = _sweep_groups(plan, "built-in pair", cases_at,
+                               lambda batch: prompt_sets(prompts, batch, width), lossy=False)
+  return {"status": "ok", "model": "built-in pair", "max_new_tokens": new, "rows": rows,
+          "groups": groups}
+
+
+def _synthetic_sweep(plan: Plan, ctx: dict) -> dict:
+  from spec_jax.drafters.synthetic import synthetic_pair
+  (target, params), (draft, draft_params) = memory_bound_pair(plan, ctx)
+  alpha, new = plan.sw_synthetic_alpha, plan.sw_synthetic_new
+  model = f"{param_count(params) / 1e6:.0f}M random target, synthetic alpha {alpha}"
+  drafter, verifier = synthetic_pair(draft, alpha)
+  width = plan.prompt_width
+  cache_len = width + new + max(*plan.sw_gammas, DEFAULT_GAMMA_MAX) + 1
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, target.vocab_size, width - i % 4).tolist() for i in range(8)]
+
+  def cases_at(batch):
+    common = dict(max_new_tokens=new, cache_len=cache_len, batch=batch)
+    return [ar_case(target, params, **common)] + [
+        spec_case(target, params, drafter, draft_params, gamma=g, verifier=verifier,
+                  label=f"synthetic alpha {alpha}, gamma {g}",
+                  drafter=f"synthetic alpha {alpha} (LOSSY)", kind="synthetic", alpha=alpha,
+                  **common)
+        for g in (*plan.sw_gammas, "auto")]
+
+  rows, groups = _sweep_groups(plan, model, cases_at,
+                               lambda batch: prompt_sets(prompts, batch, width), lossy=True)
+  return {"status": "ok", "model": model, "max_new_tokens": new, "rows": rows,
+          "groups": groups}
 
 
 # ---- scenario 8: the batch baseline ----------------------------------------------------------------

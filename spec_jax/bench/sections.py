@@ -93,27 +93,42 @@ def batch_baseline(s: dict) -> list[str]:
           f"{s['prompt_width']}, cache {s['cache_len']} slots.", ""] + md_table(s["rows"], cols)
 
 
+def mean_width(width_rounds: dict | None) -> float | None:
+  """The mean verification width over rounds (width 1: plain steps), from {width: rounds}."""
+  if not width_rounds or not sum(width_rounds.values()):
+    return None
+  return sum(int(w) * n for w, n in width_rounds.items()) / sum(width_rounds.values())
+
+
 def batch_sweep(s: dict) -> list[str]:
-  """Speed-up over autoregressive by batch size, a row per drafter and gamma, then the widths
-  gamma="auto" chose (rounds at each verification width; width 1: plain steps)."""
+  """Per target: speed-up over autoregressive by batch size, a row per drafter and gamma,
+  then the widths gamma="auto" chose (rounds at each verification width; width 1: plain
+  steps) and their mean."""
   batches = s["batches"]
-  by = {}
-  for r in s["rows"]:
-    if "error" not in r and r["method"] != "autoregressive":
-      by.setdefault(r["label"], {})[r["batch"]] = r
-  lines = ["Speed-up over autoregressive decoding at the same batch (the plot: "
-           "batch_sweep.png).", "",
-           "| row | " + " | ".join(f"batch {b}" for b in batches) + " |",
-           "|---|" + "---|" * len(batches)]
-  lines += [f"| {label} | " + " | ".join(cell(rs[b]["speedup"]) if b in rs else "-"
-                                         for b in batches) + " |" for label, rs in by.items()]
-  ar = {r["batch"]: r for r in s["rows"] if r["method"] == "autoregressive" and "error" not in r}
-  lines += ["", "Autoregressive tokens/s: " + ", ".join(
-      f"batch {b} {cell(ar[b]['tokens_per_s'])}" for b in batches if b in ar), ""]
-  for label, rs in by.items():
-    if label.endswith("auto"):
-      lines.append(f"- {label}, rounds per width: " + "; ".join(
-          f"batch {b}: {rs[b].get('width_rounds')}" for b in batches if b in rs))
+  lines = ["Speed-up over autoregressive decoding at the same batch and target (the plot: "
+           "batch_sweep.png).", ""]
+  models = s.get("models") or list(dict.fromkeys(r.get("model") for r in s["rows"]))
+  for model in models:
+    rows = [r for r in s["rows"] if r.get("model") == model]
+    by = {}
+    for r in rows:
+      if "error" not in r and r["method"] != "autoregressive":
+        by.setdefault(r["label"], {})[r["batch"]] = r
+    if model is not None:
+      lines += [f"**{model}**", ""]
+    lines += ["| row | " + " | ".join(f"batch {b}" for b in batches) + " |",
+              "|---|" + "---|" * len(batches)]
+    lines += [f"| {label} | " + " | ".join(cell(rs[b]["speedup"]) if b in rs else "-"
+                                           for b in batches) + " |" for label, rs in by.items()]
+    ar = {r["batch"]: r for r in rows if r["method"] == "autoregressive" and "error" not in r}
+    lines += ["", "Autoregressive tokens/s: " + ", ".join(
+        f"batch {b} {cell(ar[b]['tokens_per_s'])}" for b in batches if b in ar), ""]
+    for label, rs in by.items():
+      if label.endswith("auto"):
+        lines.append(f"- {label}, rounds per width (mean width): " + "; ".join(
+            f"batch {b}: {rs[b].get('width_rounds')} "
+            f"({cell(mean_width(rs[b].get('width_rounds')))})" for b in batches if b in rs))
+    lines.append("")
   errors = [r for r in s["rows"] if "error" in r]
-  return lines + ["", "![speed-up vs batch size](batch_sweep.png)"] + (
+  return lines + ["![speed-up vs batch size](batch_sweep.png)"] + (
       [""] + md_table(errors, [("row", "label"), ("error", "error")]) if errors else [])
