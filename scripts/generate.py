@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="params layout to decode in (spec_jax.models.llama.LAYOUTS): fused QKV and "
                       "gate/up matmuls by default; fused_out_in also stores kernels [out, in], "
                       "faster for one-token steps of large models on CPU, slower to verify")
+  p.add_argument("--compile-cache", default=cli.DEFAULT_COMPILE_CACHE, metavar="DIR",
+                 help="keep compiled programs in DIR, so later runs skip compiling "
+                      f"(default {cli.DEFAULT_COMPILE_CACHE}; 'off': none; a "
+                      "JAX_COMPILATION_CACHE_DIR already set wins)")
   return p.parse_args(argv)
 
 
@@ -175,6 +179,7 @@ def timed(runs: dict, repeats: int) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  cli.enable_compile_cache(args.compile_cache)
   sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
   target, params, tokenizer, builtin_draft = load_target_and_tokenizer(args)
   kind, drafter, draft_params = make_drafter(args, target, params, tokenizer, builtin_draft)

@@ -171,3 +171,34 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
     print(f"error: {one_line(e)}", file=sys.stderr)
     return status
   return status if isinstance(status, int) else 0
+
+
+# ---- the persistent compilation cache ----------------------------------------------------------
+
+DEFAULT_COMPILE_CACHE = "~/.cache/spec_jax/xla"
+
+
+def enable_compile_cache(folder: str | None) -> str | None:
+  """Keeps compiled programs on disk (jax's persistent compilation cache), so a second run
+  of a command loads them instead of compiling (the main job: tens of seconds on a CPU).
+
+  folder: a directory, or None / "off" for none. A cache already configured (e.g. the
+  JAX_COMPILATION_CACHE_DIR environment variable) is left as it is. Returns the folder in
+  use, or None. Entries are keyed by the program, the compile options and jax's version,
+  so a changed program never loads a stale one."""
+  import os
+  import jax
+  configured = jax.config.jax_compilation_cache_dir
+  if configured:
+    return configured
+  if folder is None or folder == "off":
+    return None
+  path = os.path.expanduser(folder)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:  # e.g. a read-only home: run without the cache, and say so
+    print(f"warning: no compilation cache ({e})", file=sys.stderr)
+    return None
+  jax.config.update("jax_compilation_cache_dir", path)
+  return path
+

@@ -59,3 +59,30 @@ def test_main_job_on_the_builtin_pair():
   assert report["texts"][0].startswith("def fibonacci(n):")
   assert report["mean_accepted"] > 0.5  # the distilled draft does agree with its target
   assert 1 <= report["tokens"] <= 48  # EOS may end the row early
+
+
+def test_compile_cache_keeps_programs_for_the_next_run(tmp_path):
+  # --compile-cache DIR: the first run writes its compiled programs there, a second run
+  # loads them (jax's persistent cache: hits counted by jax.monitoring), same output
+  import os
+  model = str(require_shared(STORIES_DIR / "stories260K.bin"))
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the test's programs compile fast
+  probe = ("import sys, runpy, jax; hits = []; "
+           "jax.monitoring.register_event_listener("
+           "lambda e, **k: hits.append(e) if e.endswith('cache_hits') else None); "
+           "sys.argv = ['generate.py'] + sys.argv[1:]; "
+           "code = runpy.run_path('scripts/generate.py', run_name='not_main'); "
+           "from spec_jax import cli; status = cli.run(code['main'], sys.argv[1:]); "
+           "print('HITS', len(hits)); sys.exit(status)")
+  cache = tmp_path / "xla"
+  args = ["Once upon a time", "--model", model, "--draft", "prompt_lookup", "--gamma", "3",
+          "--max-new-tokens", "8", "--json", "--compile-cache", str(cache)]
+  runs = [subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, env=env) for _ in range(2)]
+  for proc in runs:
+    assert proc.returncode == 0, proc.stderr
+  first, second = (json.loads(p.stdout[:p.stdout.rindex("HITS")]) for p in runs)
+  assert first["texts"] == second["texts"]
+  assert runs[0].stdout.rstrip().endswith("HITS 0") and any(cache.iterdir())
+  assert not runs[1].stdout.rstrip().endswith("HITS 0"), runs[1].stdout[-200:]

@@ -369,6 +369,10 @@ def _sweep_groups(plan: Plan, model: str, cases_at, measure_and_check, *, lossy:
     rows += [dict(r, model=model) for r in finish_rows(records, outs, "autoregressive",
                                                        lossy=lossy)]
     groups.append({"model": model, "batch": batch, **group})
+    # drop the group's compiled programs: each XLA:CPU executable keeps its own memory
+    # mappings, and a whole sweep's (a large target's among them) passes the kernel's
+    # vm.max_map_count (65530 by default), where LLVM aborts the process mid-compile
+    jax.clear_caches()
   return rows, groups
 
 
