@@ -192,8 +192,8 @@ def plot_batch_sweep(sweep: dict, path: Path) -> None:
               ":o" if label.endswith("auto") else "o-", label=label)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set(title=f"{model or 'built-in pair'}: speed-up vs batch size", xlabel="batch size",
-           ylabel="speed-up vs autoregressive")
+    ax.set_title(model or "built-in pair", fontsize=9)
+    ax.set(xlabel="batch size", ylabel="speed-up vs autoregressive")
     ax.legend(fontsize=6)
   _save(fig, path)
 
