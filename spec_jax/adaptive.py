@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import os
 import time
 from typing import Callable
 
@@ -770,15 +769,6 @@ def _seconds(thunk) -> float:
   return time.perf_counter() - t0
 
 
-def _compile_side_by_side(lowered: list) -> list:
-  """Compiles lowered programs in threads (XLA compiles outside the GIL): the table's five
-  or so target passes are each a whole model, tens of seconds apiece for a large one on a
-  CPU, where one compile at a time leaves cores idle."""
-  from concurrent.futures import ThreadPoolExecutor
-  with ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-    return list(pool.map(lambda low: low.compile(), lowered))
-
-
 def measure_costs(program, params, draft_params, args, repeats: int = 5):
   """Times one target pass at each width and one propose of gamma_max drafts and of one, at
   this program's batch size and cache length -> (target_costs, draft_cost,
@@ -832,16 +822,13 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
   # the tree mask, path compaction and tree verification (so a tree round is undercharged)
   points = (cfg.gamma_max,) if program.drafter.is_tree else (cfg.gamma_max, 1)
   # each a function of the number of passes (traced: one compile whatever the plan)
-  target_args = (params, state.cache, state.cache.length_B)
-  draft_args = [(draft_params, state, key, jnp.int32(m)) for m in points]
-  compiled = _compile_side_by_side(
-      [target_passes.lower(w, *target_args, jnp.int32(1)) for w in cfg.widths]
-      + [draft_passes.lower(*a, jnp.int32(1)) for a in draft_args])
-  runs = [functools.partial(c, *a) for c, a in
-          zip(compiled, [target_args] * len(cfg.widths) + draft_args)]
+  runs = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
+          for w in cfg.widths]
+  runs += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
+           for m in points]
   one = []
   for run in runs:
-    jax.block_until_ready(run(jnp.int32(1)))  # warm up
+    jax.block_until_ready(run(jnp.int32(1)))  # compile and warm up
     one.append(_seconds(functools.partial(run, jnp.int32(1))))
   passes, repeats = timing_plan(one, repeats)
   thunks = [functools.partial(run, jnp.int32(n)) for run, n in zip(runs, passes)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -175,7 +176,8 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
 
 # ---- the persistent compilation cache ----------------------------------------------------------
 
-DEFAULT_COMPILE_CACHE = "~/.cache/spec_jax/xla"
+# where commands keep compiled programs unless told otherwise ("off": nowhere)
+DEFAULT_COMPILE_CACHE = os.environ.get("SPEC_JAX_COMPILE_CACHE", "~/.cache/spec_jax/xla")
 
 
 def enable_compile_cache(folder: str | None) -> str | None:
@@ -186,7 +188,6 @@ def enable_compile_cache(folder: str | None) -> str | None:
   JAX_COMPILATION_CACHE_DIR environment variable) is left as it is. Returns the folder in
   use, or None. Entries are keyed by the program, the compile options and jax's version,
   so a changed program never loads a stale one."""
-  import os
   import jax
   configured = jax.config.jax_compilation_cache_dir
   if configured:

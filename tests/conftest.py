@@ -21,28 +21,9 @@ if (os.environ.get("SPEC_JAX_TEST_OPTIMIZED") != "1"
     and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAGS}".strip()
 
-# One persistent compilation cache (jax's, on disk) for the session: a program compiled in one
-# xdist worker, in one test module (compiled programs are dropped after each, below) or in one
-# CLI or benchmark subprocess is loaded, not compiled again, wherever it recurs. A fresh
-# folder per session, made by the controller and inherited by the workers and subprocesses
-# (entries are keyed by program, options and XLA_FLAGS, so nothing stale can load); removed
-# at the end. A JAX_COMPILATION_CACHE_DIR set by the caller is used as it is.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import tempfile
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spec_jax_test_xla_")
-  os.environ["SPEC_JAX_TEST_OWNS_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
-
-
-def pytest_unconfigure(config):
-  owned = os.environ.get("SPEC_JAX_TEST_OWNS_CACHE")
-  if owned and not hasattr(config, "workerinput"):  # the controller made it: it removes it
-    import shutil
-    shutil.rmtree(owned, ignore_errors=True)
-
+# the command lines the tests run (in subprocesses too) keep no compiled programs in the
+# user's cache folder (scripts/generate.py --compile-cache); one test checks that cache itself
+os.environ.setdefault("SPEC_JAX_COMPILE_CACHE", "off")
 
 from spec_jax.testing import (  # noqa: F401  re-exported for the test modules
     REFERENCE_DIR, REFERENCE_STEM, REPO, SHARED, STORIES_DIR, perturbed, tiny_llama)
