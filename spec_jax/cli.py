@@ -202,4 +202,3 @@ def enable_compile_cache(folder: str | None) -> str | None:
     return None
   jax.config.update("jax_compilation_cache_dir", path)
   return path
-
