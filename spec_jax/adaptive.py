@@ -367,6 +367,9 @@ def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sam
 class AdaptiveRound:
   """A round_fn (speculative_round's signature) with adaptive lengths and widths."""
   config: AdaptiveConfig
+  # measure_costs' timing round: every active row verifies exactly the planned drafts,
+  # whatever the rules, the scheduler and the drafter's empty rows said (all still computed)
+  forced: bool = False
 
   def __call__(self, target, drafter: Drafter, gamma: int, sampling: SamplingConfig, verifier,
                params, draft_params, lengths_B, budget_B, eos_id, s):
@@ -452,21 +455,8 @@ class AdaptiveRound:
 
     def one(c):
       i, active_steps_B, s = c
-      # the key outlives the stretch, so a greedy step's split would not be dropped as dead
-      key, step_key = split_unless_greedy(s.key, 2, sampling)
-      (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts,
-       hidden_BD) = decode_token(
-          target, params, sampling, lengths_B, budget_B, eos_id, step_key, s.seq_BS, s.pending_B,
-          s.num_generated_B, s.done_B, s.cache, s.counts)
-      # drafters that read the target's hidden states keep the pending token's (rows that fed
-      # it: those that emitted); dead code for the others
-      draft_state = drafter.record_plain_step(draft_params, s.draft_state, hidden_BD,
-                                              s.cache.length_B, count_B > 0)
-      # the pending token's position, as commit_round keeps it: a row that emitted moves on
-      cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
-      new = s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,
-                      done_B=done_B, cache=cache, key=key, failed_B=s.failed_B | bad_B,
-                      counts=counts, draft_state=draft_state)
+      new = self.plain_token(target, drafter, sampling, params, draft_params, lengths_B,
+                             budget_B, eos_id, s)
       return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
 
     def chunk(c):  # up to `window` steps, then the drafter's catch-up over them
@@ -490,6 +480,28 @@ class AdaptiveRound:
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
             jnp.zeros_like(s.done_B))
+
+  @staticmethod
+  def plain_token(target, drafter, sampling, params, draft_params, lengths_B, budget_B, eos_id,
+                  s):
+    """One plain step of a stretch for a drafter that skips rounds: generate's loop body (one
+    target token, no drafter, no round bookkeeping at gamma_max's shapes) -> the new state
+    (its metrics untouched: plain_stretch adds them once)."""
+    # the key outlives the stretch, so a greedy step's split would not be dropped as dead
+    key, step_key = split_unless_greedy(s.key, 2, sampling)
+    (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts,
+     hidden_BD) = decode_token(
+        target, params, sampling, lengths_B, budget_B, eos_id, step_key, s.seq_BS, s.pending_B,
+        s.num_generated_B, s.done_B, s.cache, s.counts)
+    # drafters that read the target's hidden states keep the pending token's (rows that fed
+    # it: those that emitted); dead code for the others
+    draft_state = drafter.record_plain_step(draft_params, s.draft_state, hidden_BD,
+                                            s.cache.length_B, count_B > 0)
+    # the pending token's position, as commit_round keeps it: a row that emitted moves on
+    cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
+    return s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,
+                     done_B=done_B, cache=cache, key=key, failed_B=s.failed_B | bad_B,
+                     counts=counts, draft_state=draft_state)
 
   def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                     cost_G1, probe, planned, s):
@@ -533,6 +545,8 @@ class AdaptiveRound:
                         stats.estimate_BG if rules.lookahead else None, limit_B)
     k = jnp.where(probe, jnp.max(admitted_B), k)
     admitted_B = jnp.minimum(admitted_B, k)
+    if self.forced:  # (still a function of the rules' lengths: their cost is timed too)
+      admitted_B = jnp.where(active_B, jnp.maximum(jnp.minimum(admitted_B, planned), planned), 0)
     # propose's state rides in the carry, so the branches commit it in place (closed over,
     # it would be a loop invariant that each branch copies to return)
     def branch(width):
@@ -730,21 +744,24 @@ def _abstract(tree) -> tuple:
                         else (np.shape(x), np.result_type(x)) for x in leaves)
 
 
-LOOP_PASSES = 16  # most passes per timed call: a call's dispatch and cache copy are spread thin
-CALL_SECONDS = 0.02  # a timed call this long spreads them thin enough (a pass: ~0.1-2 ms small)
+LOOP_PASSES = 16  # most passes per timed call: a call's dispatch is spread thin
+CALL_SECONDS = 0.02  # a timed call this long spreads it thin enough (a pass: ~0.1-2 ms small)
 MEASURE_SECONDS = 4.0  # the timed repeats' budget: large batches of large models repeat less
 
 
-def timing_plan(one_pass_seconds: list[float], repeats: int) -> tuple[list[int], int]:
-  """(passes per timed call for each thunk, repeats) from one call of one pass each.
+def timing_plan(pass_seconds: list[float], repeats: int,
+                call_seconds: list[float] | None = None) -> tuple[list[int], int]:
+  """(passes per timed call for each thunk, repeats) from one pass of each (pass_seconds)
+  and what a call costs besides its passes (call_seconds, timed as a call of none, which
+  every repeat also takes).
 
   A small model's pass (~0.1 ms) is timed as LOOP_PASSES passes a call, or dispatch would
   dominate; a large batch of a large model on a CPU (a 292M target's 9-token pass at 64
   rows: seconds) needs no more than one or two a call, and fewer repeats, so the start-up
   table takes seconds, not the quarter of an hour 16 passes x 6 calls x 5 widths would."""
   passes = [int(min(LOOP_PASSES, max(1, math.ceil(CALL_SECONDS / max(t, 1e-9)))))
-            for t in one_pass_seconds]
-  per_round = sum(p * t for p, t in zip(passes, one_pass_seconds))
+            for t in pass_seconds]
+  per_round = sum(p * t for p, t in zip(passes, pass_seconds)) + 2 * sum(call_seconds or ())
   return passes, int(max(1, min(repeats, MEASURE_SECONDS // max(per_round, 1e-9))))
 
 
@@ -770,25 +787,39 @@ def _seconds(thunk) -> float:
 
 
 def measure_costs(program, params, draft_params, args, repeats: int = 5):
-  """Times one target pass at each width and one propose of gamma_max drafts and of one, at
-  this program's batch size and cache length -> (target_costs, draft_cost,
+  """Times what a round costs at each width, and one propose of gamma_max drafts and of one,
+  at this program's batch size and cache length -> (target_costs, draft_cost,
   first_draft_cost), in seconds.
 
-  Each is timed as the loop runs it: passes in a `lax.fori_loop` that carries and writes the
-  cache (the drafter's state), each pass fed from the one before, so neither a call's
-  dispatch nor copying the cache into a fresh call is charged to a pass (timed one call a
-  pass, a small model's one-token pass cost 2-3x the loop's step). How many passes a call
-  and how many repeats follow from one timed pass of each (`timing_plan`). Cached per
-  program, batch shape and params' shapes and dtypes (int8 and float32 params of one model
-  are different programs); start-up cost: a few small compiles."""
+  A chain's width w > 1 is charged what the adaptive round runs at w, less its drafting: the
+  round is timed whole, forced to plan, admit and verify w - 1 drafts (propose, the rules,
+  the scheduler, the switch, the target pass, verification and commit), and the drafting
+  of w - 1 drafts (the line through the two propose points, drafting_costs) is taken off,
+  since planned_drafts adds back the drafting of however many it plans. Width 1 is a plain
+  step as the loop runs it (a drafter that skips rounds: generate's loop body; else a step
+  with the drafter's catch_up). Charging the target pass alone left out 15-20% of a
+  drafted round at 16 and 64 rows on the built-in pair (verification over [B, w, V]
+  logits, the commits, the round's planning) against nearly nothing of a plain step, so
+  auto drafted where every fixed gamma lost (0.86-0.90x autoregressive). A tree's widths
+  are timed as chain passes over that many nodes, without the tree mask, path compaction
+  and tree verification (so a tree round is undercharged, as its plain step is).
+
+  Each is timed as the loop runs it: passes in a `lax.fori_loop` that carries the state
+  (cache, drafter state), each pass fed from the one before, less a call of no passes, so
+  neither a call's dispatch nor its copy of the state is charged to a pass (timed one call
+  a pass, a small model's one-token pass cost 2-3x the loop's step). How many passes a call
+  and how many repeats follow from one timed pass of each (`timing_plan`). Cached per program,
+  batch shape and params' shapes and dtypes (int8 and float32 params of one model are
+  different programs); start-up cost: a few small compiles."""
   cfg = program.adaptive.resolved()
   tokens_BP, lengths_B, budgets_B, eos, _, key = args
-  cache_key = (program.target, program.drafter, program.sampling, program.cache_len,
-               cfg.widths, tokens_BP.shape, _abstract(params), _abstract(draft_params))
+  cache_key = (program.target, program.drafter, program.sampling, program.verifier,
+               program.cache_len, cfg.widths, tokens_BP.shape, _abstract(params),
+               _abstract(draft_params))
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
-  target = program.target
+  target, drafter, sampling = program.target, program.drafter, program.sampling
 
   @functools.partial(jax.jit, static_argnums=0)
   def target_passes(w, params, cache, length_B, passes):
@@ -802,43 +833,84 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
 
     return jax.lax.fori_loop(0, passes, one, (cache, jnp.zeros_like(length_B)))[1]
 
+  g = cfg.gamma_max
+  rest = (target, drafter, g, sampling, program.verifier)
+  step = functools.partial(AdaptiveRound.step, *rest)
+  forced = AdaptiveRound(cfg, forced=True)  # verifies `planned` drafts on every row
+
+  @jax.jit
+  def drafted_rounds(params, draft_params, s, planned, passes):
+    at = functools.partial(step, params, draft_params, lengths_B, budgets_B, eos)
+    one = lambda _, s: forced.drafted_round(at, drafter, g, sampling, program.verifier,
+                                            draft_params, eos, jnp.ones(g + 1), jnp.bool_(True),
+                                            planned, s)[0]
+    return jax.lax.fori_loop(0, passes, one, s).pending_B
+
+  @jax.jit
+  def plain_steps(params, draft_params, s, passes):
+    if drafter.skips_rounds:  # (its catch-up, once per CATCH_UP_WIDTHS[-1] steps, is not)
+      one = lambda _, s: AdaptiveRound.plain_token(target, drafter, sampling, params,
+                                                   draft_params, lengths_B, budgets_B, eos, s)
+    else:
+      zeros_B = jnp.zeros_like(s.pending_B)
+      one = lambda _, s: step(params, draft_params, lengths_B, budgets_B, eos, s, 1, zeros_B,
+                              None, None, draft_state=None)[0]
+    return jax.lax.fori_loop(0, passes, one, s).pending_B
+
   @jax.jit
   def draft_passes(draft_params, s, key, max_drafts, passes):
     def one(_, c):
       draft_state, pending_B = c
       ctx = DraftContext(s.seq_BS, s.cache.length_B, pending_B, None, max_drafts)
-      if program.drafter.is_tree:  # (trees draft whole: max_drafts is not read)
-        tree, draft_state = program.drafter.propose_tree(draft_params, draft_state, ctx,
-                                                         program.sampling, key)
+      if drafter.is_tree:  # (trees draft whole: max_drafts is not read)
+        tree, draft_state = drafter.propose_tree(draft_params, draft_state, ctx, sampling,
+                                                 key)
         return draft_state, tree.tokens_BN[:, -1]
-      drafts_BG, _, draft_state = program.drafter.propose(draft_params, draft_state, ctx,
-                                                          cfg.gamma_max, program.sampling, key)
+      drafts_BG, _, draft_state = drafter.propose(draft_params, draft_state, ctx, g, sampling,
+                                                  key)
       return draft_state, drafts_BG[:, -1]
 
     return jax.lax.fori_loop(0, passes, one, (s.draft_state, s.pending_B))[1]
 
   # one program for both points (max_drafts is traced): the drafts it stops making; a tree
-  # drafts whole (one point). A tree's pass is timed as a chain pass over its nodes, without
-  # the tree mask, path compaction and tree verification (so a tree round is undercharged)
-  points = (cfg.gamma_max,) if program.drafter.is_tree else (cfg.gamma_max, 1)
+  # drafts whole (one point)
+  points = (cfg.gamma_max,) if drafter.is_tree else (cfg.gamma_max, 1)
   # each a function of the number of passes (traced: one compile whatever the plan)
-  runs = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
-          for w in cfg.widths]
+  if drafter.is_tree:
+    runs = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
+            for w in cfg.widths]
+  else:  # (one program for every drafted width: planned is traced)
+    runs = [functools.partial(plain_steps, params, draft_params, state)]
+    runs += [functools.partial(drafted_rounds, params, draft_params, state, jnp.int32(w - 1))
+             for w in cfg.widths[1:]]
   runs += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
            for m in points]
-  one = []
+  one, none = [], []
   for run in runs:
     jax.block_until_ready(run(jnp.int32(1)))  # compile and warm up
+    none.append(_seconds(functools.partial(run, jnp.int32(0))))
     one.append(_seconds(functools.partial(run, jnp.int32(1))))
-  passes, repeats = timing_plan(one, repeats)
+  passes, repeats = timing_plan([max(t - z, 0.0) for t, z in zip(one, none)], repeats, none)
   thunks = [functools.partial(run, jnp.int32(n)) for run, n in zip(runs, passes)]
-  seconds = [t / n for t, n in zip(_interleaved_seconds(thunks, repeats), passes)]
+  thunks += [functools.partial(run, jnp.int32(0)) for run in runs]
+  timed = _interleaved_seconds(thunks, repeats)
+  # A call also copies the state it is given (the loop's carry cannot overwrite its
+  # arguments) and dispatches: 28-30 ms a call at 64 rows on the built-in pair, where a
+  # plain step costs 35 ms. Charged to a pass, it made a plain step look 1.8x as dear and
+  # drafting cheap; a call of no passes pays exactly that, so it is taken off.
+  seconds = [max(t - z, 1e-3 * t) / n for t, z, n in zip(timed, timed[len(runs):], passes)]
+  draft = seconds[len(cfg.widths)]
+  first = seconds[-1] if len(points) == 2 else draft
+  if not drafter.is_tree:
+    # a chain's drafted round drafted w - 1: the table keeps the rest (planned_drafts adds
+    # the drafting of however many it plans, on the line through the two points)
+    drafting_G = drafting_costs(g, draft, first)
+    seconds[1:len(cfg.widths)] = [t - float(drafting_G[w - 2])
+                                  for t, w in zip(seconds[1:], cfg.widths[1:])]
   # a wider pass does at least a narrower one's work: a dip in the timings (noise on a
   # shared machine) must not make a verification look cheaper than a plain step, or a
   # useless draft would look worth trying in every round
   costs = tuple(itertools.accumulate(seconds[:len(cfg.widths)], max))
-  draft = seconds[len(cfg.widths)]
-  first = seconds[-1] if len(points) == 2 else draft
   _MEASURED[cache_key] = costs, draft, first
   return costs, draft, first
 

@@ -94,7 +94,7 @@ def test_measured_costs_are_cached_per_params_dtypes(small_pair, monkeypatch):
   monkeypatch.setattr(adaptive, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
                                   gamma=AdaptiveConfig(2, widths=(1, 3)), max_new_tokens=4)
-  per_measurement = 2 + 2  # two widths, two draft points
+  per_measurement = 2 * (2 + 2)  # two widths, two draft points; each also timed passing none
   for draft_params, new in [(dp, 1), (perturbed(dp, 0.1, seed=2), 0), (quantize_params(dp), 1)]:
     before = len(timed)
     adaptive.measure_costs(program, tp, draft_params, args, repeats=1)
@@ -103,19 +103,69 @@ def test_measured_costs_are_cached_per_params_dtypes(small_pair, monkeypatch):
 
 def test_measured_target_costs_never_fall_with_width(small_pair, monkeypatch):
   """A wider pass does at least a narrower one's work: a dip in the timings (noise on a
-  shared machine) must not make a verification look cheaper than a plain step."""
+  shared machine) must not make a verification look cheaper than a plain step. And what a
+  call costs besides its passes (dispatch, the copy of its state: a call of no passes) is
+  not charged to them."""
   from spec_jax import adaptive
   target, tp, draft_model, dp = small_pair
   timings = [3.0, 2.0, 4.0, 3.5, 1.0, 0.5]  # widths 1, 2, 3, 5; 4 drafts; one draft
-  monkeypatch.setattr(adaptive, "timing_plan", lambda one, repeats: ([2] * len(one), 1))
+  monkeypatch.setattr(adaptive, "timing_plan", lambda one, repeats, none: ([2] * len(one), 1))
+  # two passes a call, then each call of none (what a call costs besides its passes)
   monkeypatch.setattr(adaptive, "_interleaved_seconds",
-                      lambda thunks, repeats: [t * 2 for t in timings])
+                      lambda thunks, repeats: [t * 2 + 0.25 for t in timings] + [0.25] * 6)
   monkeypatch.setattr(adaptive, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
                                   gamma=AdaptiveConfig(4), max_new_tokens=4)
   assert program.adaptive.resolved().widths == (1, 2, 3, 5)
   costs, draft, first = adaptive.measure_costs(program, tp, dp, args, repeats=1)
-  assert costs == (3.0, 3.0, 4.0, 4.0) and (draft, first) == (1.0, 0.5)
+  # the drafted rounds at widths 2, 3, 5 drafted 1, 2, 4 (charged 0.5, 2/3 and 1.0 on the
+  # line through the two propose points), which the table does not keep: 1.5, 10/3, 2.5
+  assert costs == pytest.approx((3.0, 3.0, 10 / 3, 10 / 3)) and (draft, first) == (1.0, 0.5)
+
+
+class EveryRoundDraftModel(DraftModelDrafter):
+  """A draft model that catches up in every undrafted round (Drafter's default)."""
+  skips_rounds = False
+
+
+@pytest.mark.parametrize("drafter_class", [DraftModelDrafter, EveryRoundDraftModel])
+def test_cost_table_times_what_the_round_runs(small_pair, monkeypatch, drafter_class):
+  """A chain's width w > 1 is timed as the adaptive round itself (drafted_round: propose,
+  rules, scheduler, switch, the step's pass, verification and commit), forced to verify the
+  planned drafts on every row, not as the bare target pass; width 1 as the loop's plain step:
+  generate's body for a drafter that skips rounds, a step of width 1 with the drafter's
+  catch_up for one that does not."""
+  from spec_jax import adaptive
+  target, tp, draft_model, draft_params = small_pair
+  drafter = drafter_class(draft_model)
+  traced = []
+  real_step, real_plain = adaptive.AdaptiveRound.step, adaptive.AdaptiveRound.plain_token
+  real_round = adaptive.AdaptiveRound.drafted_round
+
+  def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
+                    cost_G1, probe, planned, s):
+    traced.append(("round", self.forced))
+    return real_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
+                      cost_G1, probe, planned, s)
+
+  monkeypatch.setattr(adaptive.AdaptiveRound, "drafted_round", drafted_round)
+  def step(*a, **k):  # (the round's branches pass the width by name, plain steps in place)
+    traced.append(("step", k["width"] if "width" in k else a[11], k["draft_state"] is None))
+    return real_step(*a, **k)
+
+  monkeypatch.setattr(adaptive.AdaptiveRound, "step", staticmethod(step))
+  monkeypatch.setattr(adaptive.AdaptiveRound, "plain_token", staticmethod(
+      lambda *a: traced.append(("plain",)) or real_plain(*a)))
+  monkeypatch.setattr(adaptive, "_MEASURED", {})
+  program, args = prepare_program(target, drafter, *pad_prompts([[1, 2], [3]]),
+                                  gamma=AdaptiveConfig(4), max_new_tokens=4)
+  costs, _, _ = adaptive.measure_costs(program, tp, draft_params, args, repeats=1)
+  plain = ("plain",) if drafter_class is DraftModelDrafter else ("step", 1, True)
+  # one program for every drafted width (the planned count is traced); its switch traces a
+  # step per width, each committing the round's proposal
+  assert traced == [plain, ("round", True), ("step", 1, False),
+                    ("step", 2, False), ("step", 3, False), ("step", 5, False)]
+  check_costs((1, 2, 3, 5), costs, 0.0)
 
 
 def test_timing_plan_bounds_the_start_up_measurement():
@@ -132,6 +182,9 @@ def test_timing_plan_bounds_the_start_up_measurement():
   assert passes == [5, 2, 1]  # calls of at least CALL_SECONDS (0.02 s)
   # a round of calls takes 1.042 s: 3 rounds fit the 4 s budget, 5 would not
   assert MEASURE_SECONDS == 4.0 and repeats == 3
+  # each repeat also pays every call's fixed cost twice (with its passes, and alone)
+  passes, repeats = timing_plan(slow, repeats=5, call_seconds=[0.1, 0.1, 0.3])
+  assert passes == [5, 2, 1] and repeats == 1  # 2.042 s a round
 
 
 def test_drafting_costs_follow_the_two_measured_points():

@@ -406,11 +406,9 @@ def _builtin_sweep(plan: Plan) -> dict:
 
 
 def _synthetic_sweep(plan: Plan, ctx: dict) -> dict:
-  from spec_jax.drafters.synthetic import synthetic_pair
   (target, params), (draft, draft_params) = memory_bound_pair(plan, ctx)
   alpha, new = plan.sw_synthetic_alpha, plan.sw_synthetic_new
   model = f"{param_count(params) / 1e6:.0f}M random target, synthetic alpha {alpha}"
-  drafter, verifier = synthetic_pair(draft, alpha)
   width = plan.prompt_width
   cache_len = width + new + max(*plan.sw_gammas, DEFAULT_GAMMA_MAX) + 1
   rng = np.random.default_rng(0)
@@ -419,10 +417,7 @@ def _synthetic_sweep(plan: Plan, ctx: dict) -> dict:
   def cases_at(batch):
     common = dict(max_new_tokens=new, cache_len=cache_len, batch=batch)
     return [ar_case(target, params, **common)] + [
-        spec_case(target, params, drafter, draft_params, gamma=g, verifier=verifier,
-                  label=f"synthetic alpha {alpha}, gamma {g}",
-                  drafter=f"synthetic alpha {alpha} (LOSSY)", kind="synthetic", alpha=alpha,
-                  **common)
+        synthetic_case(target, params, draft, draft_params, alpha, g, **common)
         for g in (*plan.sw_gammas, "auto")]
 
   rows, groups = _sweep_groups(plan, model, cases_at,
@@ -497,9 +492,19 @@ def target_step_loop(plan: Plan, ctx: dict) -> tuple[Callable[[], Any], dict]:
 
 # ---- scenario 3: memory-bound target, synthetic acceptance -------------------------------------
 
+def synthetic_case(target, params, draft, draft_params, alpha: float, gamma, **common):
+  """A speculative Case whose draft is accepted with probability alpha (a coin per draft,
+  LOSSY: spec_jax.drafters.synthetic), for scenarios 3 and 7."""
+  from spec_jax.drafters.synthetic import synthetic_pair
+  drafter, verifier = synthetic_pair(draft, alpha)
+  return spec_case(target, params, drafter, draft_params, gamma=gamma, verifier=verifier,
+                   label=f"synthetic alpha {alpha}, gamma {gamma}",
+                   drafter=f"synthetic alpha {alpha} (LOSSY)", kind="synthetic", alpha=alpha,
+                   **common)
+
+
 def synthetic_acceptance(plan: Plan, ctx: dict) -> dict:
-  from spec_jax.drafters.synthetic import (expected_tokens_per_round, predicted_speedup,
-                                          synthetic_pair)
+  from spec_jax.drafters.synthetic import expected_tokens_per_round, predicted_speedup
   (target, params), (draft, draft_params) = memory_bound_pair(plan, ctx)
   width, cache_len, position = s3_geometry(plan)
   rng = np.random.default_rng(0)
@@ -508,13 +513,8 @@ def synthetic_acceptance(plan: Plan, ctx: dict) -> dict:
   measured, check = pad_prompts([prompt], width=width), pad_prompts([other], width=width)
   common = dict(max_new_tokens=plan.s3_new, cache_len=cache_len, batch=1)
   cases = [ar_case(target, params, **common)]
-  for alpha in plan.s3_alphas:
-    for g in plan.s3_gammas:
-      drafter, verifier = synthetic_pair(draft, alpha)
-      cases.append(spec_case(target, params, drafter, draft_params, gamma=g, verifier=verifier,
-                             label=f"synthetic alpha {alpha}, gamma {g}",
-                             drafter=f"synthetic alpha {alpha} (LOSSY)", kind="synthetic",
-                             alpha=alpha, **common))
+  cases += [synthetic_case(target, params, draft, draft_params, alpha, g, **common)
+            for alpha in plan.s3_alphas for g in plan.s3_gammas]
   log("[S3] compiling the step-cost loops (jitted loops of apply) ...")
   loop = dict(cache_len=cache_len, position=position, steps=plan.loop_steps)
   loops = {"target_step": target_step_loop(plan, ctx),
