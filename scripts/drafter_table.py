@@ -12,7 +12,7 @@ stories260K's own sampled generations with spec_jax.training.distill, exported t
 reused from there on later runs. Each row also checks that greedy output equals
 autoregressive output. "draft cost" (chains) is one propose of gamma drafts over one
 one-token target step, both timed at the table's batch (spec_jax.adaptive.measure_costs:
-medians of 25 after compiling): what drafting a round costs in target steps.
+the fastest of 25 after compiling): what drafting a round costs in target steps.
 """
 
 from __future__ import annotations
