@@ -25,6 +25,8 @@ drafts or confidences (they are computed from x_i), or on the target's verdict. 
     row's online estimate from past rounds);
   - the per-row gamma schedule reads past rounds only (HF: +2 after a fully accepted block,
     -1 otherwise);
+  - a row's remaining budget caps its plan and its admitted length (drafts it could never
+    keep are worth nothing, and the budget is known before anything is drawn);
   - the width scheduler scans positions in order and stops at the first one past which no
     length raises the expected tokens per second (DSpark's early break, looking ahead with
     past rounds' estimates only): a later position's value (which depends on x_i) never
@@ -318,7 +320,7 @@ def drafting_can_pay(cost_G1, draft_cost_G) -> bool:
 
 
 def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules,
-                   probe=False) -> jax.Array:
+                   probe=False, useful_B=None) -> jax.Array:
   """[] int32, from past rounds only: how many drafts to make this round, 0 for none.
 
   The length m that maximises expected tokens per second under the current estimates
@@ -331,12 +333,16 @@ def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules,
   row. A probe (traced bool) drafts the best length even when it does not beat a plain step:
   a probe of one draft only tests the first position, and two rejected ones in a row (the
   first tokens after a prompt are often the hardest) left the built-in pair plain for the
-  rest of a generation whose draft model gains 1.4x at gamma 6."""
+  rest of a generation whose draft model gains 1.4x at gamma 6. useful_B [B]: the most
+  drafts each row could still keep (its budget's remaining tokens, less the target's own);
+  None: no cap."""
   gamma = prior_BG.shape[1]
   survival_BG = jnp.cumprod(prior_BG, axis=1)
   ok_BG = survival_BG >= rules.survival
   if rules.schedule:
     ok_BG &= jnp.arange(gamma)[None, :] < gamma_B[:, None]
+  if useful_B is not None:
+    ok_BG &= jnp.arange(gamma)[None, :] < useful_B[:, None]
   ok_BG = jnp.cumprod(ok_BG.astype(jnp.int32), axis=1).astype(bool) & active_B[:, None]
   tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
       [jnp.zeros(1), jnp.cumsum(jnp.sum(jnp.where(ok_BG, survival_BG, 0.0), axis=0))])
@@ -384,12 +390,15 @@ class AdaptiveRound:
     # cost table alone (static) rules drafting out, and probing would only pay for drafts
     can_probe = drafting_can_pay(cost_np_G1, draft_cost_G)
     probe = (stats.idle_rounds >= stats.probe_interval) & can_probe
+    # a row can emit budget - generated more tokens, one of them the target's own: drafts
+    # past that are never kept, so they are worth nothing (known before drafting: lossless)
+    useful_B = jnp.maximum(budget_B - s.num_generated_B - 1, 0)
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
-                             cost_G1, draft_cost_G, rules, probe)
+                             cost_G1, draft_cost_G, rules, probe, useful_B)
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                                cost_G1, probe, planned, s)
+                                cost_G1, probe, planned, s, useful_B=useful_B)
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
@@ -504,9 +513,9 @@ class AdaptiveRound:
                      counts=counts, draft_state=draft_state)
 
   def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                    cost_G1, probe, planned, s):
-    """Drafts up to `planned`, admits a prefix per row, verifies at the width the scheduler
-    picks."""
+                    cost_G1, probe, planned, s, useful_B=None):
+    """Drafts up to `planned`, admits a prefix per row (at most useful_B: drafts its budget
+    could keep), verifies at the width the scheduler picks."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     from spec_jax.speculative import round_inputs  # speculative.py imports this module lazily
@@ -535,8 +544,12 @@ class AdaptiveRound:
     admitted_B = jnp.where(active_B, admitted_B, 0)
     if rules.admit is None:
       admitted_B = jnp.minimum(admitted_B, planned)
+    if useful_B is not None:
+      admitted_B = jnp.minimum(admitted_B, useful_B)
     # past-only caps on each row's length, for the scan's look-ahead
     limit_B = jnp.full_like(admitted_B, gamma)
+    if useful_B is not None:
+      limit_B = jnp.minimum(limit_B, useful_B)
     if rules.admit is None:
       limit_B = jnp.minimum(limit_B, planned)
     if rules.schedule:

@@ -215,13 +215,19 @@ def test_fixed_gamma_is_the_same_program(stories):
 
 # --- distribution identity, and two leaky rules that must fail it ---------------------------------
 
+# Tokens generated per sample: the test compares the first DEPTH, but a row verifies no
+# draft its budget could not keep, so with a budget of DEPTH the first round could admit one
+# draft at most; three more let every length up to gamma_max occur in it.
+SAMPLE_NEW = DEPTH + 3
+
+
 def _sample(small_pair, gamma, verifier=None, seed=0, sampling=SamplingConfig(1.0)):
   target, tp, draft_model, dp = small_pair
   draft_model, dp = target, perturbed(tp, 0.7, seed=3)
   out = speculate(target, tp, DraftModelDrafter(draft_model), dp,
-                  *pad_prompts([PROMPT] * SAMPLES), gamma=gamma, max_new_tokens=DEPTH,
+                  *pad_prompts([PROMPT] * SAMPLES), gamma=gamma, max_new_tokens=SAMPLE_NEW,
                   sampling=sampling, key=jax.random.key(seed), verifier=verifier)
-  assert (np.asarray(out.num_tokens) == DEPTH).all()
+  assert (np.asarray(out.num_tokens) == SAMPLE_NEW).all()
   return out
 
 
@@ -617,3 +623,35 @@ def test_a_probe_drafts_the_best_length_even_when_none_pays():
   args = (est_BG, jnp.asarray([4]), jnp.asarray([True]), cost_G1, draft_G, AdaptiveRules())
   assert int(planned_drafts(*args)) == 0
   assert int(planned_drafts(*args, probe=jnp.bool_(True))) == 4
+
+
+def test_no_drafts_are_planned_or_verified_past_a_rows_budget():
+  """A row with r tokens left can keep at most r - 1 drafts (the target adds one): drafts
+  past that are worth nothing, so the plan counts none of them, and a round verifies none.
+  Certain drafts and a flat table: the plan is the longest worth anything."""
+  from spec_jax.adaptive import planned_drafts
+  est_BG = jnp.full((2, 4), 1.0, jnp.float32)
+  cost_G1 = jnp.ones(5, jnp.float32)
+  args = (est_BG, jnp.asarray([4, 4]), jnp.asarray([True, True]), cost_G1,
+          np.zeros(4, np.float32), AdaptiveRules(schedule=False))
+  assert int(planned_drafts(*args)) == 4
+  # (flat costs: a longer plan ties; argmax takes the shortest of the best)
+  assert int(planned_drafts(*args, useful_B=jnp.asarray([2, 1]))) == 2
+  assert int(planned_drafts(*args, useful_B=jnp.asarray([0, 0]))) == 0
+
+
+def test_rounds_verify_no_draft_past_a_rows_budget(stories):
+  """gamma="auto" with budgets of 3 and 6 tokens (the first comes from the prompt's pass):
+  row 0 can keep 1 draft, row 1 4, so no row admits more than 4 and no round verifies 9
+  tokens, though the drafts (the target's own) are all accepted and verifying costs the same
+  at every width. The output is autoregressive's."""
+  model, params = stories
+  prompts = pad_prompts([[1, 20, 30], [1, 40]], width=4)
+  budgets = [3, 6]
+  ref = generate(model, params, *prompts, max_new_tokens=8, budgets_B=budgets)
+  out = speculate(model, params, DraftModelDrafter(model), params, *prompts,
+                  gamma=config(schedule=False), max_new_tokens=8, budgets_B=budgets)
+  assert np.array_equal(out.tokens, ref.tokens)
+  m = summarize(out.metrics)["adaptive"]
+  assert sum(m["admitted_hist"][5:]) == 0 and m["width_rounds"][9] == 0, m
+  assert m["width_rounds"][5] >= 1, m
