@@ -149,6 +149,7 @@ def test_cost_table_times_what_the_round_runs(small_pair, monkeypatch, drafter_c
                       cost_G1, probe, planned, s)
 
   monkeypatch.setattr(adaptive.AdaptiveRound, "drafted_round", drafted_round)
+
   def step(*a, **k):  # (the round's branches pass the width by name, plain steps in place)
     traced.append(("step", k["width"] if "width" in k else a[11], k["draft_state"] is None))
     return real_step(*a, **k)
