@@ -441,12 +441,11 @@ class AdaptiveRound:
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
                                 lengths_B, budget_B, eos_id, n, s)
-    step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
-                             draft_params, lengths_B, budget_B, eos_id)
 
     def one(c):
       i, row_rounds, s = c
-      new, _ = step(s, 1, zeros_B, None, None, draft_state=None)
+      new = self.plain_step(target, drafter, gamma, sampling, verifier, params, draft_params,
+                            lengths_B, budget_B, eos_id, s)
       return i + 1, row_rounds + jnp.sum(~s.done_B), new
 
     steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
@@ -489,6 +488,19 @@ class AdaptiveRound:
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
             jnp.zeros_like(s.done_B))
+
+  @staticmethod
+  def plain_step(target, drafter, gamma, sampling, verifier, params, draft_params, lengths_B,
+                 budget_B, eos_id, s):
+    """One plain step as the loops run it -> the new state: generate's loop body for a
+    drafter that skips rounds (plain_token; its catch-up comes once per stretch), else a
+    width-1 step in which the drafter catches up itself."""
+    if drafter.skips_rounds:
+      return AdaptiveRound.plain_token(target, drafter, sampling, params, draft_params,
+                                       lengths_B, budget_B, eos_id, s)
+    return AdaptiveRound.step(target, drafter, gamma, sampling, verifier, params, draft_params,
+                              lengths_B, budget_B, eos_id, s, 1, jnp.zeros_like(s.pending_B),
+                              None, None, draft_state=None)[0]
 
   @staticmethod
   def plain_token(target, drafter, sampling, params, draft_params, lengths_B, budget_B, eos_id,
@@ -847,27 +859,23 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
     return jax.lax.fori_loop(0, passes, one, (cache, jnp.zeros_like(length_B)))[1]
 
   g = cfg.gamma_max
-  rest = (target, drafter, g, sampling, program.verifier)
-  step = functools.partial(AdaptiveRound.step, *rest)
   forced = AdaptiveRound(cfg, forced=True)  # verifies `planned` drafts on every row
 
   @jax.jit
   def drafted_rounds(params, draft_params, s, planned, passes):
-    at = functools.partial(step, params, draft_params, lengths_B, budgets_B, eos)
-    one = lambda _, s: forced.drafted_round(at, drafter, g, sampling, program.verifier,
+    step = functools.partial(AdaptiveRound.step, target, drafter, g, sampling,
+                             program.verifier, params, draft_params, lengths_B, budgets_B, eos)
+    one = lambda _, s: forced.drafted_round(step, drafter, g, sampling, program.verifier,
                                             draft_params, eos, jnp.ones(g + 1), jnp.bool_(True),
                                             planned, s)[0]
     return jax.lax.fori_loop(0, passes, one, s).pending_B
 
   @jax.jit
   def plain_steps(params, draft_params, s, passes):
-    if drafter.skips_rounds:  # (its catch-up, once per CATCH_UP_WIDTHS[-1] steps, is not)
-      one = lambda _, s: AdaptiveRound.plain_token(target, drafter, sampling, params,
-                                                   draft_params, lengths_B, budgets_B, eos, s)
-    else:
-      zeros_B = jnp.zeros_like(s.pending_B)
-      one = lambda _, s: step(params, draft_params, lengths_B, budgets_B, eos, s, 1, zeros_B,
-                              None, None, draft_state=None)[0]
+    # (a drafter that skips rounds catches up once per stretch: not charged here)
+    one = lambda _, s: AdaptiveRound.plain_step(target, drafter, g, sampling, program.verifier,
+                                                params, draft_params, lengths_B, budgets_B, eos,
+                                                s)
     return jax.lax.fori_loop(0, passes, one, s).pending_B
 
   @jax.jit
