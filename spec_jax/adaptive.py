@@ -98,14 +98,23 @@ class AdaptiveRules:
     the whole generation: on the built-in pair, two early rejections of the second draft
     held a prompt at one draft a round, 0.69x of its best fixed gamma).
   probe_every: after this many rounds without drafting, draft anyway to refresh the
-    estimates; probe_growth: the interval grows this many times after each probe that
-    accepts nothing (up to 64x probe_every; back to probe_every after one that accepts).
-    On a 0.1 ms-a-step model a probe round costs about 3 plain steps, so x4 (probes after
-    8, 40, 168 idle steps) rather than x2 (8, 24, 56, 120): 2 probes in 128 tokens, not 4.
+    estimates, while the slowest row's remaining budget, in plain steps, takes at least
+    probe_every times the dearest drafted round (a probe near the end has no time to pay
+    for itself: at 64 rows of a 292M target a 5-token round costs 3.5 plain steps, and three
+    probes in 32 tokens cost `auto` 10%); probe_growth: the interval grows this many times
+    after each probe (up to 64x probe_every), and returns to probe_every after a round that
+    drafts because drafting pays. On a 0.1 ms-a-step model a probe round costs about 3 plain
+    steps, so x4 (probes after 8, 40, 168 idle steps) rather than x2 (8, 24, 56, 120). A
+    probe that accepted some drafts, but too few to change the plan, used to bring the
+    interval back to probe_every: in a large batch some row always accepts something.
   admit: research hook replacing the row rules: admit(AdmitInputs) -> [B] admitted lengths.
     It must obey the lossless condition (tests use it for a deliberately leaky rule).
   lookahead: the width scheduler's scan values lengths past each position with past rounds'
     estimates (schedule_length); False: it compares neighbours only, DSpark's scan.
+  horizon: the plan values a draft length by the expected time to finish the batch
+    (the slowest row: planned_drafts, finishing_rounds); False: by tokens per second summed
+    over the rows, which overvalues drafting in large batches, whose rows finish rounds
+    apart.
   """
   confidence: float = 0.05
   survival: float = 0.1
@@ -118,6 +127,7 @@ class AdaptiveRules:
   probe_growth: int = 4
   admit: Callable | None = None
   lookahead: bool = True
+  horizon: bool = True
 
 
 # The catch-up passes compiled for a drafter that skips rounds: after at most the last
@@ -320,7 +330,7 @@ def drafting_can_pay(cost_G1, draft_cost_G) -> bool:
 
 
 def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules,
-                   probe=False, useful_B=None) -> jax.Array:
+                   probe=False, remaining_B=None) -> jax.Array:
   """[] int32, from past rounds only: how many drafts to make this round, 0 for none.
 
   The length m that maximises expected tokens per second under the current estimates
@@ -333,22 +343,88 @@ def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules,
   row. A probe (traced bool) drafts the best length even when it does not beat a plain step:
   a probe of one draft only tests the first position, and two rejected ones in a row (the
   first tokens after a prompt are often the hardest) left the built-in pair plain for the
-  rest of a generation whose draft model gains 1.4x at gamma 6. useful_B [B]: the most
-  drafts each row could still keep (its budget's remaining tokens, less the target's own);
-  None: no cap."""
+  rest of a generation whose draft model gains 1.4x at gamma 6.
+
+  remaining_B [B]: the tokens each row's budget has left. A row keeps at most
+  remaining - 1 drafts (the target adds one), so none past that are counted; and with
+  `rules.horizon` a length is valued by the time to finish the batch at that length
+  (`finishing_rounds`), not by tokens summed over rows: a batch runs until its slowest row
+  is done, and rows that accept different numbers of drafts finish rounds apart. None: no
+  budget known (tokens per second summed over rows)."""
   gamma = prior_BG.shape[1]
+  j_G = jnp.arange(gamma)[None, :]
   survival_BG = jnp.cumprod(prior_BG, axis=1)
   ok_BG = survival_BG >= rules.survival
   if rules.schedule:
-    ok_BG &= jnp.arange(gamma)[None, :] < gamma_B[:, None]
-  if useful_B is not None:
-    ok_BG &= jnp.arange(gamma)[None, :] < useful_B[:, None]
+    ok_BG &= j_G < gamma_B[:, None]
+  if remaining_B is not None:
+    ok_BG &= j_G < remaining_B[:, None] - 1
   ok_BG = jnp.cumprod(ok_BG.astype(jnp.int32), axis=1).astype(bool) & active_B[:, None]
-  tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
-      [jnp.zeros(1), jnp.cumsum(jnp.sum(jnp.where(ok_BG, survival_BG, 0.0), axis=0))])
-  rate_G = tokens_G1[1:] / (cost_G1[1:] + jnp.asarray(draft_cost_G))
-  best = jnp.argmax(rate_G).astype(jnp.int32) + 1
-  return jnp.where(probe | (rate_G[best - 1] > tokens_G1[0] / cost_G1[0]), best, 0)
+  survival_BG = jnp.where(ok_BG, survival_BG, 0.0)
+  round_cost_G = cost_G1[1:] + jnp.asarray(draft_cost_G)
+  if remaining_B is not None and rules.horizon:
+    remaining_B = jnp.where(active_B, remaining_B, 0).astype(jnp.float32)
+    time_G = finishing_rounds(survival_BG, remaining_B, active_B) * round_cost_G
+    best = jnp.argmin(time_G).astype(jnp.int32) + 1
+    pays = time_G[best - 1] < jnp.max(remaining_B) * cost_G1[0]
+  else:
+    tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
+        [jnp.zeros(1), jnp.cumsum(jnp.sum(survival_BG, axis=0))])
+    rate_G = tokens_G1[1:] / round_cost_G
+    best = jnp.argmax(rate_G).astype(jnp.int32) + 1
+    pays = rate_G[best - 1] > tokens_G1[0] / cost_G1[0]
+  return jnp.where(probe | pays, best, 0)
+
+
+# grid points for the expected maximum of the rows' finishing rounds (finishing_rounds)
+_MAX_GRID = 41
+
+
+def finishing_rounds(survival_BG, remaining_B, active_B) -> jax.Array:
+  """[G] expected rounds until every active row has its remaining_B tokens, if every round
+  drafts m = 1..G (survival_BG[b, i]: P(row b accepts drafts 1..i + 1), 0 where not drafted).
+
+  A row's tokens per round T (1 + the accepted drafts) has mean mu = 1 + sum_i S_i and
+  E[T^2] = 1 + sum_i (2i + 3) S_i (0-based i). By renewal theory the rounds it needs to make
+  r tokens are about normal, with mean (r + (E[T^2] - mu) / (2 mu)) / mu (the last round
+  overshoots) and variance r var(T) / mu^3. The batch runs until its last row is done: the
+  expected maximum of the rows' rounds (rows independent), integrated on a grid over its
+  distribution. At one row that is the row's own mean, so the plan is tokens per second; at
+  64 rows with equal budgets the tail adds about 2.3 standard deviations (on the built-in
+  pair, gamma 2 needed 58 rounds for 128 tokens at 2.53 tokens a row and round: 13% of its
+  row-rounds were rows already done). tests/test_adaptive.py checks it against simulation."""
+  i_G = jnp.arange(survival_BG.shape[1], dtype=jnp.float32)
+  mean_BG = 1.0 + jnp.cumsum(survival_BG, axis=1)
+  second_BG = 1.0 + jnp.cumsum((2.0 * i_G + 3.0) * survival_BG, axis=1)
+  var_BG = jnp.maximum(second_BG - mean_BG ** 2, 0.0)
+  r_B1 = remaining_B[:, None]
+  n_BG = (r_B1 + (second_BG - mean_BG) / (2.0 * mean_BG)) / mean_BG
+  sd_BG = jnp.sqrt(r_B1 * var_BG / mean_BG ** 3)
+  a_B1 = active_B[:, None]
+  # E[max] = x0 + integral of P(max > x) above x0 - integral of P(max <= x) below it; the
+  # grid spans 4 standard deviations below the largest mean to 6 above
+  top_G = jnp.max(jnp.where(a_B1, n_BG, 0.0), axis=0)
+  sd_G = jnp.max(jnp.where(a_B1, sd_BG, 0.0), axis=0) + 1e-6
+  x_JG = top_G + jnp.linspace(-4.0, 6.0, _MAX_GRID)[:, None] * sd_G
+  z_BJG = (x_JG[None] - n_BG[:, None, :]) / jnp.maximum(sd_BG, 1e-6)[:, None, :]
+  cdf_JG = jnp.exp(jnp.sum(jnp.where(a_B1[:, :, None], jax.scipy.special.log_ndtr(z_BJG), 0.0),
+                           axis=0))  # P(max <= x)
+  trapezoid = lambda f_JG: (jnp.sum(f_JG, axis=0) - 0.5 * (f_JG[0] + f_JG[-1])) * (
+      10.0 * sd_G / (_MAX_GRID - 1))
+  x0_G = x_JG[0]
+  return jnp.where(jnp.any(active_B), x0_G + trapezoid(1.0 - cdf_JG), 0.0)
+
+
+def probe_window(rules, plain_cost, dearest_round_cost) -> float:
+  """Host-side: the fewest tokens a batch must still have to make, for a probe to run: the
+  remaining budget's plain steps must take probe_every times the dearest drafted round."""
+  return float(rules.probe_every * dearest_round_cost / plain_cost)
+
+
+def probe_due(stats, remaining_B, last_probe, can_probe) -> jax.Array:
+  """[] bool: draft this round whatever the plan says (AdaptiveRules.probe_every)."""
+  return ((stats.idle_rounds >= stats.probe_interval) & can_probe
+          & (jnp.max(remaining_B) >= last_probe))
 
 
 def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key,
@@ -389,12 +465,14 @@ class AdaptiveRound:
     # no probes where even drafts that were all accepted could not beat a plain step: the
     # cost table alone (static) rules drafting out, and probing would only pay for drafts
     can_probe = drafting_can_pay(cost_np_G1, draft_cost_G)
-    probe = (stats.idle_rounds >= stats.probe_interval) & can_probe
     # a row can emit budget - generated more tokens, one of them the target's own: drafts
     # past that are never kept, so they are worth nothing (known before drafting: lossless)
-    useful_B = jnp.maximum(budget_B - s.num_generated_B - 1, 0)
+    remaining_B = jnp.where(s.done_B, 0, jnp.maximum(budget_B - s.num_generated_B, 0))
+    last_probe = probe_window(rules, cost_np_G1[0], np.max(cost_np_G1[1:] + draft_cost_G))
+    probe = probe_due(stats, remaining_B, last_probe, can_probe)
+    useful_B = jnp.maximum(remaining_B - 1, 0)
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
-                             cost_G1, draft_cost_G, rules, probe, useful_B)
+                             cost_G1, draft_cost_G, rules, probe, remaining_B)
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
@@ -402,7 +480,7 @@ class AdaptiveRound:
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
-                                    can_probe)
+                                    can_probe, last_probe)
     return self.drafted_or_plain(s, planned > 0, probe, drafted_round, plain_steps,
                                  schedule=rules.schedule)
 
@@ -425,7 +503,7 @@ class AdaptiveRound:
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
-                  lengths_B, budget_B, eos_id, can_probe, s):
+                  lengths_B, budget_B, eos_id, can_probe, last_probe, s):
     """Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
     table rules drafting out), in an inner loop, so that an undrafted stretch costs what
     autoregressive decoding does and not a whole round's bookkeeping (two conditionals, the
@@ -435,8 +513,10 @@ class AdaptiveRound:
     catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step.
     -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B)."""
     stats: AdaptiveStats = s.metrics.adaptive
-    n = jnp.where(can_probe, jnp.maximum(stats.probe_interval - stats.idle_rounds, 1),
-                  jnp.iinfo(jnp.int32).max)
+    # to the next probe, or to the end when none is left (probe_due)
+    wait = jnp.maximum(stats.probe_interval - stats.idle_rounds, 1)
+    remaining = jnp.max(jnp.where(s.done_B, 0, budget_B - s.num_generated_B))
+    n = jnp.where(can_probe & (remaining - wait >= last_probe), wait, jnp.iinfo(jnp.int32).max)
     zeros_B = jnp.zeros_like(s.pending_B)
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
@@ -647,7 +727,9 @@ class AdaptiveTreeRound(AdaptiveRound):
     # plain step (a cut to k nodes reaches at most depth k - 1)
     best_case_K = np.array([1 + min(k - 1, gamma) for k in budgets])
     can_probe = bool(np.any(best_case_K / cost_W[1:] > 1 / cost_W[0]))
-    probe = (stats.idle_rounds >= stats.probe_interval) & can_probe
+    remaining_B = jnp.where(s.done_B, 0, jnp.maximum(budget_B - s.num_generated_B, 0))
+    last_probe = probe_window(rules, cost_W[0], cost_W[-1])
+    probe = probe_due(stats, remaining_B, last_probe, can_probe)
     budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, ~s.done_B, budgets,
                                               jnp.asarray(cost_W, jnp.float32))
     budget_idx = jnp.where(probe, len(budgets) - 1, budget_idx)
@@ -658,7 +740,7 @@ class AdaptiveTreeRound(AdaptiveRound):
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
-                                    can_probe)
+                                    can_probe, last_probe)
     return self.drafted_or_plain(s, tree_now | probe, probe, tree_round, plain_steps,
                                  schedule=False)
 

@@ -80,11 +80,11 @@ class AdaptiveStats:
       verified_B = drafted & active_B & (admitted_B > 0)
       step_B = jnp.where(num_accepted_B >= admitted_B, 2, -1)
       gamma_B = jnp.where(verified_B, jnp.clip(gamma_B + step_B, 1, gamma), gamma_B)
-    # a probe that accepted nothing multiplies the wait before the next one (up to 64x)
-    accepted_any = jnp.any(active_B & (num_accepted_B > 0))
-    interval = jnp.where(probe, jnp.where(accepted_any, probe_every,
-                                          jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every)),
-                         self.probe_interval)
+    # each probe multiplies the wait before the next one (up to 64x); a round that drafts
+    # because drafting pays (not a probe) brings it back: probes back off for as long as
+    # they do not change the plan (one that accepts some drafts, but too few, included)
+    interval = jnp.where(probe, jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every),
+                         jnp.where(drafted, probe_every, self.probe_interval))
     active_i = active_B.astype(jnp.int32)
     hist_G1 = jnp.sum(jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None],
                       axis=0)
