@@ -481,13 +481,19 @@ class AdaptiveRound:
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
                                     can_probe, last_probe)
-    return self.drafted_or_plain(s, planned > 0, probe, drafted_round, plain_steps,
-                                 schedule=rules.schedule)
+    drafting = jnp.asarray(draft_cost_G)[jnp.maximum(planned, 1) - 1]
+    costs_W = jnp.asarray(costs, jnp.float32)
+    return self.drafted_or_plain(
+        s, planned > 0, probe, drafted_round, plain_steps, schedule=rules.schedule,
+        round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0))
 
-  def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule):
+  def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
+                       round_cost):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
-    then the acceptance statistics updated and written back into the metrics."""
+    then the acceptance statistics updated and written back into the metrics.
+    round_cost(width index) -> [] the drafted round's cost, from the table (a probe that
+    makes fewer tokens per row than plain steps would in that time did not pay)."""
     rules = self.config.rules
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
@@ -495,11 +501,15 @@ class AdaptiveRound:
     new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
         draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
     # (a tree round has already updated its node estimates in new's stats)
+    active_B = ~s.done_B
+    tokens_per_row = jnp.sum(jnp.where(active_B, num_accepted_B + 1, 0)) / jnp.maximum(
+        jnp.sum(active_B), 1)
+    paid = tokens_per_row * round_cost(0) >= round_cost(w_idx)
     stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=rules.probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
-        empty_B=empty_B, prior=rules.prior, forget=rules.forget)
+        empty_B=empty_B, prior=rules.prior, forget=rules.forget, paid=paid)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
@@ -742,7 +752,8 @@ class AdaptiveTreeRound(AdaptiveRound):
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
                                     can_probe, last_probe)
     return self.drafted_or_plain(s, tree_now | probe, probe, tree_round, plain_steps,
-                                 schedule=False)
+                                 schedule=False,
+                                 round_cost=lambda w_idx: jnp.asarray(cost_W, jnp.float32)[w_idx])
 
   def tree_round(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                  lengths_B, budget_B, eos_id, budgets, budget_idx, s):

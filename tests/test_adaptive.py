@@ -392,10 +392,12 @@ def test_drafting_stops_at_max_drafts_with_the_same_drafts(sampling):
       np.testing.assert_array_equal(got[1][:, :m], full[1][:, :m])
 
 
-def test_probe_interval_grows_after_each_probe_and_resets_when_drafting_pays():
-  """Each probe multiplies the wait before the next (probe_growth, capped at 64x probe_every),
-  whether or not it accepted anything (in a large batch some row always does); a round that
-  drafts because drafting pays brings it back to probe_every; plain steps leave it alone."""
+def test_probe_interval_grows_after_probes_that_do_not_pay():
+  """A probe that did not pay for itself (fewer tokens per row than plain steps in its time)
+  multiplies the wait before the next (probe_growth, capped at 64x probe_every), whether or
+  not it accepted anything (in a large batch some row always does); a probe that paid, or a
+  round that drafts because drafting pays, brings it back to probe_every; plain steps leave
+  it alone."""
   from spec_jax.metrics import AdaptiveStats
   stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
   active_B, admitted_B = jnp.array([True, True]), jnp.array([1, 1])
@@ -403,14 +405,17 @@ def test_probe_interval_grows_after_each_probe_and_resets_when_drafting_pays():
   seen = []
   for accepted in ([0, 0], [0, 1], [1, 1], [0, 0]):
     stats = stats.update(active_B, admitted_B, jnp.array(accepted), 1, jnp.bool_(True),
-                         jnp.bool_(True), **kw)
+                         jnp.bool_(True), paid=jnp.bool_(False), **kw)
     seen.append(int(stats.probe_interval))
   assert seen == [32, 128, 512, 512]
   idle = stats.update(active_B, jnp.array([0, 0]), jnp.array([0, 0]), 0, jnp.bool_(False),
                       jnp.bool_(False), rounds=5, **kw)
   assert int(idle.probe_interval) == 512
-  paid = stats.update(active_B, admitted_B, jnp.array([0, 0]), 1, jnp.bool_(True),
-                      jnp.bool_(False), **kw)
+  drafted = stats.update(active_B, admitted_B, jnp.array([0, 0]), 1, jnp.bool_(True),
+                         jnp.bool_(False), **kw)
+  assert int(drafted.probe_interval) == 8
+  paid = stats.update(active_B, admitted_B, jnp.array([1, 1]), 1, jnp.bool_(True),
+                      jnp.bool_(True), paid=jnp.bool_(True), **kw)
   assert int(paid.probe_interval) == 8
 
 
