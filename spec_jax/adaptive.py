@@ -904,7 +904,7 @@ def _seconds(thunk) -> float:
   return time.perf_counter() - t0
 
 
-def measure_costs(program, params, draft_params, args, repeats: int = 5):
+def measure_costs(program, params, draft_params, args, repeats: int = 15):
   """Times what a round costs at each width, and one propose of gamma_max drafts and of one,
   at this program's batch size and cache length -> (target_costs, draft_cost,
   first_draft_cost), in seconds.
@@ -926,7 +926,10 @@ def measure_costs(program, params, draft_params, args, repeats: int = 5):
   (cache, drafter state), each pass fed from the one before, less a call of no passes, so
   neither a call's dispatch nor its copy of the state is charged to a pass (timed one call
   a pass, a small model's one-token pass cost 2-3x the loop's step). How many passes a call
-  and how many repeats follow from one timed pass of each (`timing_plan`). Cached per program,
+  and how many repeats follow from one timed pass of each (`timing_plan`): up to 15, as time
+  allows. With 5, six measurements put the built-in pair's 5-token round (less its drafting)
+  at 1.98-2.62 plain steps at batch 1, and its dearer readings ruled drafting out where
+  gamma 4 gained 1.2-1.3x; with 15, four in one process at 1.89-2.04. Cached per program,
   batch shape and params' shapes and dtypes (int8 and float32 params of one model are
   different programs); start-up cost: a few small compiles."""
   cfg = program.adaptive.resolved()
