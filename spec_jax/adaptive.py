@@ -102,11 +102,11 @@ class AdaptiveRules:
     probe_every times the dearest drafted round (a probe near the end has no time to pay
     for itself: at 64 rows of a 292M target a 5-token round costs 3.5 plain steps, and three
     probes in 32 tokens cost `auto` 10%); probe_growth: the interval grows this many times
-    after each probe (up to 64x probe_every), and returns to probe_every after a round that
-    drafts because drafting pays. On a 0.1 ms-a-step model a probe round costs about 3 plain
-    steps, so x4 (probes after 8, 40, 168 idle steps) rather than x2 (8, 24, 56, 120). A
-    probe that accepted some drafts, but too few to change the plan, used to bring the
-    interval back to probe_every: in a large batch some row always accepts something.
+    after each probe that was not promising (drafted_or_plain; up to 64x probe_every), and
+    returns to probe_every after one that was, or after a round that drafts because drafting
+    pays. On a 0.1 ms-a-step model a probe round costs about 3 plain steps, so x4 (probes
+    after 8, 40, 168 idle steps) rather than x2 (8, 24, 56, 120). Any accepted draft in any
+    row used to count as promising: in a large batch some row always accepts something.
   admit: research hook replacing the row rules: admit(AdmitInputs) -> [B] admitted lengths.
     It must obey the lossless condition (tests use it for a deliberately leaky rule).
   lookahead: the width scheduler's scan values lengths past each position with past rounds'
@@ -485,15 +485,23 @@ class AdaptiveRound:
     costs_W = jnp.asarray(costs, jnp.float32)
     return self.drafted_or_plain(
         s, planned > 0, probe, drafted_round, plain_steps, schedule=rules.schedule,
-        round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0))
+        round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
+        budget_B=budget_B)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
-                       round_cost):
+                       round_cost, budget_B):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
     then the acceptance statistics updated and written back into the metrics.
-    round_cost(width index) -> [] the drafted round's cost, from the table (a probe that
-    makes fewer tokens per row than plain steps would in that time did not pay)."""
+    round_cost(width index) -> [] the drafted round's cost, from the table.
+
+    A probe is promising when its drafts advanced the batch's finish (the largest remaining
+    budget of a row), beyond the one token a plain step gives, by at least half of what plain
+    steps would have in the probe's extra time: probing stays frequent while drafting is
+    near paying (on the built-in pair's main job, probes that accepted one draft in four at
+    first kept finding the stretch where lookup accepts everything), and backs off in a
+    large batch, where one drafted round moves the slowest row about one token however many
+    the others accept."""
     rules = self.config.rules
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
@@ -501,15 +509,14 @@ class AdaptiveRound:
     new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
         draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
     # (a tree round has already updated its node estimates in new's stats)
-    active_B = ~s.done_B
-    tokens_per_row = jnp.sum(jnp.where(active_B, num_accepted_B + 1, 0)) / jnp.maximum(
-        jnp.sum(active_B), 1)
-    paid = tokens_per_row * round_cost(0) >= round_cost(w_idx)
+    last = lambda t: jnp.max(jnp.where(~s.done_B, budget_B - t.num_generated_B, 0))
+    extra = round_cost(w_idx) - round_cost(0)  # the probe's cost over a plain step's
+    promising = 2 * (last(s) - last(new) - 1) * round_cost(0) >= extra
     stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=rules.probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
-        empty_B=empty_B, prior=rules.prior, forget=rules.forget, paid=paid)
+        empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
@@ -753,7 +760,8 @@ class AdaptiveTreeRound(AdaptiveRound):
                                     can_probe, last_probe)
     return self.drafted_or_plain(s, tree_now | probe, probe, tree_round, plain_steps,
                                  schedule=False,
-                                 round_cost=lambda w_idx: jnp.asarray(cost_W, jnp.float32)[w_idx])
+                                 round_cost=lambda w_idx: jnp.asarray(cost_W, jnp.float32)[w_idx],
+                                 budget_B=budget_B)
 
   def tree_round(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                  lengths_B, budget_B, eos_id, budgets, budget_idx, s):

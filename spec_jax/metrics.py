@@ -60,12 +60,12 @@ class AdaptiveStats:
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
              rounds=1, plain_row_rounds=None, empty_B=None, prior: float = 0.0,
-             forget: float = 0.0, paid=False) -> "AdaptiveStats":
+             forget: float = 0.0, promising=False) -> "AdaptiveStats":
     """After a drafted round, or after `rounds` plain steps run without drafting, in which
     rows were active `plain_row_rounds` times in all (each admitted nothing). In a drafted
     round, the estimates of a row's later positions (past the first) that it did not verify
-    or reach move `forget` of the way back to `prior`. paid: the round (a probe) made at
-    least as many tokens per row as plain steps would have in its time."""
+    or reach move `forget` of the way back to `prior`. promising: the round, a probe, came
+    near paying for itself (AdaptiveRound.drafted_or_plain says how near)."""
     gamma = self.estimate_BG.shape[1]
     j_G = jnp.arange(gamma)[None, :]
     seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (
@@ -81,10 +81,10 @@ class AdaptiveStats:
       verified_B = drafted & active_B & (admitted_B > 0)
       step_B = jnp.where(num_accepted_B >= admitted_B, 2, -1)
       gamma_B = jnp.where(verified_B, jnp.clip(gamma_B + step_B, 1, gamma), gamma_B)
-    # a probe that did not pay for itself multiplies the wait before the next one (up to
-    # 64x); one that did, or a round that drafts because drafting pays, brings it back
+    # a probe that was not promising multiplies the wait before the next one (up to 64x);
+    # one that was, or a round that drafts because drafting pays, brings it back
     grown = jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every)
-    interval = jnp.where(probe, jnp.where(paid, probe_every, grown),
+    interval = jnp.where(probe, jnp.where(promising, probe_every, grown),
                          jnp.where(drafted, probe_every, self.probe_interval))
     active_i = active_B.astype(jnp.int32)
     hist_G1 = jnp.sum(jax.nn.one_hot(admitted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None],

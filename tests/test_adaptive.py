@@ -392,12 +392,12 @@ def test_drafting_stops_at_max_drafts_with_the_same_drafts(sampling):
       np.testing.assert_array_equal(got[1][:, :m], full[1][:, :m])
 
 
-def test_probe_interval_grows_after_probes_that_do_not_pay():
-  """A probe that did not pay for itself (fewer tokens per row than plain steps in its time)
-  multiplies the wait before the next (probe_growth, capped at 64x probe_every), whether or
-  not it accepted anything (in a large batch some row always does); a probe that paid, or a
-  round that drafts because drafting pays, brings it back to probe_every; plain steps leave
-  it alone."""
+def test_probe_interval_grows_after_probes_that_are_not_promising():
+  """A probe that was not promising (it advanced the batch's finish by less than half what
+  plain steps would have in its time) multiplies the wait before the next (probe_growth,
+  capped at 64x probe_every), whether or not some row accepted anything (in a large batch
+  one always does); a promising probe, or a round that drafts because drafting pays, brings
+  it back to probe_every; plain steps leave it alone."""
   from spec_jax.metrics import AdaptiveStats
   stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
   active_B, admitted_B = jnp.array([True, True]), jnp.array([1, 1])
@@ -405,7 +405,7 @@ def test_probe_interval_grows_after_probes_that_do_not_pay():
   seen = []
   for accepted in ([0, 0], [0, 1], [1, 1], [0, 0]):
     stats = stats.update(active_B, admitted_B, jnp.array(accepted), 1, jnp.bool_(True),
-                         jnp.bool_(True), paid=jnp.bool_(False), **kw)
+                         jnp.bool_(True), promising=jnp.bool_(False), **kw)
     seen.append(int(stats.probe_interval))
   assert seen == [32, 128, 512, 512]
   idle = stats.update(active_B, jnp.array([0, 0]), jnp.array([0, 0]), 0, jnp.bool_(False),
@@ -414,9 +414,9 @@ def test_probe_interval_grows_after_probes_that_do_not_pay():
   drafted = stats.update(active_B, admitted_B, jnp.array([0, 0]), 1, jnp.bool_(True),
                          jnp.bool_(False), **kw)
   assert int(drafted.probe_interval) == 8
-  paid = stats.update(active_B, admitted_B, jnp.array([1, 1]), 1, jnp.bool_(True),
-                      jnp.bool_(True), paid=jnp.bool_(True), **kw)
-  assert int(paid.probe_interval) == 8
+  promising = stats.update(active_B, admitted_B, jnp.array([1, 1]), 1, jnp.bool_(True),
+                           jnp.bool_(True), promising=jnp.bool_(True), **kw)
+  assert int(promising.probe_interval) == 8
 
 
 def test_no_probe_when_the_budget_left_cannot_repay_it():
