@@ -486,10 +486,11 @@ class AdaptiveRound:
     return self.drafted_or_plain(
         s, planned > 0, probe, drafted_round, plain_steps, schedule=rules.schedule,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
-        budget_B=budget_B)
+        budget_B=budget_B,
+        catch_up_cost=float(draft_cost_G[-1]) if drafter.skips_rounds else 0.0)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
-                       round_cost, budget_B):
+                       round_cost, budget_B, catch_up_cost=0.0):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
     then the acceptance statistics updated and written back into the metrics.
@@ -501,7 +502,10 @@ class AdaptiveRound:
     near paying (on the built-in pair's main job, probes that accepted one draft in four at
     first kept finding the stretch where lookup accepts everything), and backs off in a
     large batch, where one drafted round moves the slowest row about one token however many
-    the others accept."""
+    the others accept. A probe also ends a plain stretch, after which a drafter that skips
+    rounds catches up (catch_up_cost, charged as a propose of gamma_max drafts): at 64 rows
+    of the built-in pair, probes of one draft that the slowest row accepted kept coming every
+    8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x."""
     rules = self.config.rules
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
@@ -510,7 +514,7 @@ class AdaptiveRound:
         draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
     # (a tree round has already updated its node estimates in new's stats)
     last = lambda t: jnp.max(jnp.where(~s.done_B, budget_B - t.num_generated_B, 0))
-    extra = round_cost(w_idx) - round_cost(0)  # the probe's cost over a plain step's
+    extra = round_cost(w_idx) - round_cost(0) + catch_up_cost  # over a plain step's
     promising = 2 * (last(s) - last(new) - 1) * round_cost(0) >= extra
     stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
