@@ -427,6 +427,15 @@ def probe_due(stats, remaining_B, last_probe, can_probe) -> jax.Array:
           & (jnp.max(remaining_B) >= last_probe))
 
 
+def probe_was_promising(remaining_before_B, remaining_after_B, active_B, plain_cost,
+                        extra_cost) -> jax.Array:
+  """[] bool: a drafted round moved the batch's finish (the largest remaining budget of the
+  rows active before it), beyond the one token a plain step gives, by at least half of what
+  plain steps would in its extra_cost (its cost over a plain step's, with any catch-up)."""
+  last = lambda r_B: jnp.max(jnp.where(active_B, r_B, 0))
+  return 2 * (last(remaining_before_B) - last(remaining_after_B) - 1) * plain_cost >= extra_cost
+
+
 def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key,
                     admitted_B):
   """Verifies each row as if its block held only its first admitted_B drafts.
@@ -513,9 +522,9 @@ class AdaptiveRound:
     new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
         draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
     # (a tree round has already updated its node estimates in new's stats)
-    last = lambda t: jnp.max(jnp.where(~s.done_B, budget_B - t.num_generated_B, 0))
-    extra = round_cost(w_idx) - round_cost(0) + catch_up_cost  # over a plain step's
-    promising = 2 * (last(s) - last(new) - 1) * round_cost(0) >= extra
+    promising = probe_was_promising(
+        budget_B - s.num_generated_B, budget_B - new.num_generated_B, ~s.done_B,
+        round_cost(0), round_cost(w_idx) - round_cost(0) + catch_up_cost)
     stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=rules.probe_every,

@@ -435,6 +435,21 @@ def test_no_probe_when_the_budget_left_cannot_repay_it():
                             True))
 
 
+def test_a_probe_is_promising_when_it_moves_the_batchs_finish():
+  """One row, a round 1.2 plain steps dearer than a plain step: accepting one draft (2 tokens)
+  is promising, none is not. 64 rows with 20 tokens left: 63 rows accepting 4 drafts and one
+  accepting none moved the finish by one token, not promising; all 64 accepting one, it is."""
+  from spec_jax.adaptive import probe_was_promising
+  one = lambda before, after: bool(probe_was_promising(
+      jnp.asarray(before), jnp.asarray(after), jnp.ones(len(before), bool), 1.0, 1.2))
+  assert one([20], [18]) and not one([20], [19])
+  assert not one([20] * 64, [15] * 63 + [19])
+  assert one([20] * 64, [18] * 64)
+  # a row done before the probe does not count as the slowest
+  assert bool(probe_was_promising(jnp.asarray([20, 30]), jnp.asarray([18, 30]),
+                                  jnp.asarray([True, False]), 1.0, 1.2))
+
+
 def _finishing_rounds_simulated(rng, rows, accept, drafts, remaining, trials):
   """Rounds until every row has made `remaining` tokens, drafting `drafts` a round, each
   accepted with probability `accept` until the first rejection (the budget caps a row)."""
