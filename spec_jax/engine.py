@@ -88,6 +88,8 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
                                   cache_len=cache_len, verifier=verifier)
   # gamma="auto" without a cost table: measured once per target, drafter and batch shape
   program = adaptive.with_measured_costs(program, params, draft_params, args)
+  if return_state:
+    program = adaptive.keeping_draft_state(program)
   out, cache, draft_state = speculative_jit(program, params, draft_params, *args)
   return (out, cache, draft_state) if return_state else out
 

@@ -444,12 +444,15 @@ def prepare_speculative(target, params, drafter, draft_params, prompt_tokens_BP,
                         draft_rules: ShardingRules = DRAFT_RULES,
                         sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
                         key: jax.Array | None = None, budgets_B=None, pad_id: int = 0,
-                        cache_len: int | None = None, verifier=verify):
+                        cache_len: int | None = None, verifier=verify,
+                        final_draft_state: bool = False):
   """As prepare_generate, for speculative generation -> (program, args).
 
   gamma: an int, or "auto" / an AdaptiveConfig (spec_jax.adaptive): adaptive rounds, their
   cost table measured once on the mesh, with these params, when the config has none.
-  `program(*args)` returns (GenerationOutput, target cache, drafter state).
+  `program(*args)` returns (GenerationOutput, target cache, drafter state); adaptive rounds
+  leave that drafter state behind after plain steps that end the generation, unless
+  final_draft_state (AdaptiveConfig.final_draft_state).
   """
   on_mesh = ShardedModel(target, mesh, rules)
   _check_on_mesh(params, mesh, "parameter")
@@ -468,6 +471,8 @@ def prepare_speculative(target, params, drafter, draft_params, prompt_tokens_BP,
   if config is not None:
     unsharded = adaptive.with_measured_costs(adaptive.configure(unsharded, config), params,
                                              draft_params, host_args)
+    if final_draft_state:
+      unsharded = adaptive.keeping_draft_state(unsharded)
   inputs, key_impl = _place_inputs(mesh, rules, *host_args)
   return _spec_program(unsharded, host_args[0].shape[0], key_impl), (params, draft_params, *inputs)
 
@@ -482,7 +487,8 @@ def sharded_speculative_generate(target, params, drafter, draft_params, prompt_t
   by default; pass the target's rules when the draft shares the target's sharded params.
   """
   program, args = prepare_speculative(target, params, drafter, draft_params, prompt_tokens_BP,
-                                      prompt_lengths_B, mesh=mesh, **kw)
+                                      prompt_lengths_B, mesh=mesh,
+                                      final_draft_state=return_state, **kw)
   out, cache, draft_state = program(*args)
   return (out, cache, draft_state) if return_state else out
 

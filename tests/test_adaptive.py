@@ -343,6 +343,29 @@ def test_draft_cache_is_caught_up_after_plain_stretches(stories, story_prompts, 
     assert_cache_prefix_close(cache, fresh, row, length, f"draft cache, row {row}")
 
 
+def test_a_stretch_that_ends_the_run_leaves_the_draft_cache_behind_unless_it_is_read(
+    stories, story_prompts):
+  # Drafting that never pays: one plain stretch to the end, after which nothing drafts, so
+  # its catch-ups are skipped; a caller that reads the final drafter state (return_state)
+  # gets it caught up. Same tokens either way.
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  drafter, draft_params = make_drafter("layer_skip", model, params, num_layers=2)
+  cfg = dataclasses.replace(config(), draft_cost=1e3)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  program, args = prepare_program(model, drafter, *prompts, gamma=cfg, max_new_tokens=NEW)
+  assert not program.adaptive.final_draft_state
+  out, _, state = speculative_jit(program, params, draft_params, *args)
+  assert np.array_equal(out.tokens, ref.tokens)
+  assert summarize(out.metrics)["adaptive"]["undrafted_rounds"] == summarize(out.metrics)["rounds"]
+  prompt_lengths = np.asarray(prompts[1])
+  assert np.all(np.asarray(state.cache.length_B) <= prompt_lengths)  # as the prefill left it
+  out, _, state = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                            max_new_tokens=NEW, return_state=True)
+  assert np.array_equal(out.tokens, ref.tokens)
+  assert np.all(np.asarray(state.cache.length_B) >= prompt_lengths + NEW - 2)
+
+
 @pytest.mark.parametrize("costs,draft,match", [
     ((1.0, 1.0, 1.0, 1.0), 0.0, "one target time per width"),
     ((1.0, 1.0, -1.0, 1.0, 1.0), 0.0, "width 3 must be a positive finite"),
