@@ -50,6 +50,7 @@ import numpy as np
 from flax import struct
 
 from spec_jax.core.control import cond_in_place, switch_in_place
+from spec_jax.core.pytree_names import params_signature
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
                                     split_unless_greedy)
 from spec_jax.drafters.base import DraftContext, Drafter
@@ -417,7 +418,7 @@ def finishing_rounds(survival_BG, remaining_B, active_B) -> jax.Array:
   cdf_JG = jnp.exp(jnp.sum(jnp.where(a_B1[:, :, None], jax.scipy.special.log_ndtr(z_BJG), 0.0),
                            axis=0))  # P(max <= x)
   trapezoid = lambda f_JG: (jnp.sum(f_JG, axis=0) - 0.5 * (f_JG[0] + f_JG[-1])) * (
-      10.0 * sd_G / (_MAX_GRID - 1))
+      x_JG[1] - x_JG[0])
   x0_G = x_JG[0]
   return jnp.where(jnp.any(active_B), x0_G + trapezoid(1.0 - cdf_JG), 0.0)
 
@@ -428,10 +429,22 @@ def probe_window(rules, plain_cost, dearest_round_cost) -> float:
   return float(rules.probe_every * dearest_round_cost / plain_cost)
 
 
+def remaining_tokens(done_B, num_generated_B, budget_B) -> jax.Array:
+  """[B] int32: the tokens each row may still emit (0 once done)."""
+  return jnp.where(done_B, 0, jnp.maximum(budget_B - num_generated_B, 0))
+
+
 def probe_due(stats, remaining_B, last_probe, can_probe) -> jax.Array:
   """[] bool: draft this round whatever the plan says (AdaptiveRules.probe_every)."""
   return ((stats.idle_rounds >= stats.probe_interval) & can_probe
           & (jnp.max(remaining_B) >= last_probe))
+
+
+def steps_to_probe(stats, remaining_B, last_probe, can_probe) -> jax.Array:
+  """[] int32: the plain steps after which probe_due holds (each step counts as an idle
+  round and takes a token from every row), or _TO_THE_END when it never will in this run."""
+  wait = jnp.maximum(stats.probe_interval - stats.idle_rounds, 1)
+  return jnp.where(can_probe & (jnp.max(remaining_B) - wait >= last_probe), wait, _TO_THE_END)
 
 
 def probe_was_promising(remaining_before_B, remaining_after_B, active_B, plain_cost,
@@ -483,7 +496,7 @@ class AdaptiveRound:
     can_probe = drafting_can_pay(cost_np_G1, draft_cost_G)
     # a row can emit budget - generated more tokens, one of them the target's own: drafts
     # past that are never kept, so they are worth nothing (known before drafting: lossless)
-    remaining_B = jnp.where(s.done_B, 0, jnp.maximum(budget_B - s.num_generated_B, 0))
+    remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
     last_probe = probe_window(rules, cost_np_G1[0], np.max(cost_np_G1[1:] + draft_cost_G))
     probe = probe_due(stats, remaining_B, last_probe, can_probe)
     useful_B = jnp.maximum(remaining_B - 1, 0)
@@ -550,10 +563,8 @@ class AdaptiveRound:
     catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step.
     -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B)."""
     stats: AdaptiveStats = s.metrics.adaptive
-    # to the next probe, or to the end when none is left (probe_due)
-    wait = jnp.maximum(stats.probe_interval - stats.idle_rounds, 1)
-    remaining = jnp.max(jnp.where(s.done_B, 0, budget_B - s.num_generated_B))
-    n = jnp.where(can_probe & (remaining - wait >= last_probe), wait, _TO_THE_END)
+    n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
+                       last_probe, can_probe)
     zeros_B = jnp.zeros_like(s.pending_B)
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
@@ -769,7 +780,7 @@ class AdaptiveTreeRound(AdaptiveRound):
     # plain step (a cut to k nodes reaches at most depth k - 1)
     best_case_K = np.array([1 + min(k - 1, gamma) for k in budgets])
     can_probe = bool(np.any(best_case_K / cost_W[1:] > 1 / cost_W[0]))
-    remaining_B = jnp.where(s.done_B, 0, jnp.maximum(budget_B - s.num_generated_B, 0))
+    remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
     last_probe = probe_window(rules, cost_W[0], cost_W[-1])
     probe = probe_due(stats, remaining_B, last_probe, can_probe)
     budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, ~s.done_B, budgets,
@@ -896,14 +907,6 @@ def keeping_draft_state(program):
 _MEASURED: dict = {}
 
 
-def _abstract(tree) -> tuple:
-  """What a compiled program depends on in a pytree: its structure, shapes and dtypes (read
-  off the leaves directly: np.shape / np.result_type per leaf cost ~0.1 ms a call)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray))
-                        else (np.shape(x), np.result_type(x)) for x in leaves)
-
-
 LOOP_PASSES = 16  # most passes per timed call: a call's dispatch is spread thin
 CALL_SECONDS = 0.02  # a timed call this long spreads it thin enough (a pass: ~0.1-2 ms small)
 MEASURE_SECONDS = 4.0  # the timed repeats' budget: large batches of large models repeat less
@@ -946,7 +949,8 @@ def _seconds(thunk) -> float:
   return time.perf_counter() - t0
 
 
-def measure_costs(program, params, draft_params, args, repeats: int = 15):
+def measure_costs(program, params, draft_params, args, repeats: int = 15,
+                  signatures: tuple | None = None):
   """Times what a round costs at each width, and one propose of gamma_max drafts and of one,
   at this program's batch size and cache length -> (target_costs, draft_cost,
   first_draft_cost), in seconds.
@@ -973,12 +977,14 @@ def measure_costs(program, params, draft_params, args, repeats: int = 15):
   at 1.98-2.62 plain steps at batch 1, and its dearer readings ruled drafting out where
   gamma 4 gained 1.2-1.3x; with 15, four in one process at 1.89-2.04. Cached per program,
   batch shape and params' shapes and dtypes (int8 and float32 params of one model are
-  different programs); start-up cost: a few small compiles."""
+  different programs: `signatures`, the params_signature of both, when the caller has
+  them); start-up cost: a few small compiles."""
   cfg = program.adaptive.resolved()
   tokens_BP, lengths_B, budgets_B, eos, _, key = args
+  if signatures is None:
+    signatures = params_signature(params), params_signature(draft_params)
   cache_key = (program.target, program.drafter, program.sampling, program.verifier,
-               program.cache_len, cfg.widths, tokens_BP.shape, _abstract(params),
-               _abstract(draft_params))
+               program.cache_len, cfg.widths, tokens_BP.shape, signatures)
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
@@ -1074,12 +1080,13 @@ def measure_costs(program, params, draft_params, args, repeats: int = 15):
   return costs, draft, first
 
 
-def with_measured_costs(program, params, draft_params, args):
-  """The program with its cost table measured, unless the config already supplies one."""
+def with_measured_costs(program, params, draft_params, args, signatures=None):
+  """The program with its cost table measured, unless the config already supplies one
+  (signatures: as measure_costs)."""
   cfg = getattr(program, "adaptive", None)
   if cfg is None or cfg.target_costs is not None:
     return program
-  measured = measure_costs(program, params, draft_params, args)
+  measured = measure_costs(program, params, draft_params, args, signatures=signatures)
   return _with_costs(program, *measured)
 
 

@@ -81,13 +81,13 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
   state. gamma="auto": adaptive speculation (spec_jax.adaptive), its cost table measured
   on the first call for this target, drafter and batch shape.
   """
-  check_all_params(target, params, drafter, draft_params)
+  signatures = check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
                                   eos_id=eos_id, key=key, budgets_B=budgets_B, pad_id=pad_id,
                                   cache_len=cache_len, verifier=verifier)
   # gamma="auto" without a cost table: measured once per target, drafter and batch shape
-  program = adaptive.with_measured_costs(program, params, draft_params, args)
+  program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
   if return_state:
     program = adaptive.keeping_draft_state(program)
   out, cache, draft_state = speculative_jit(program, params, draft_params, *args)

@@ -31,7 +31,7 @@ from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                prefill, token_history, tokens_to_emit, write_tokens)
 from spec_jax.core.errors import BadArgument, is_int
 from spec_jax.core.kv_cache import KVCache
-from spec_jax.core.pytree_names import check_params_fit
+from spec_jax.core.pytree_names import check_params_fit, params_signature
 from spec_jax.metrics import SpecMetrics
 from spec_jax.core.sampling import (SamplingConfig, TokenCounts, nonfinite_rows, process_logits,
                                     sample, split_unless_greedy)
@@ -251,11 +251,14 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
   return program, (tokens, lengths, budgets, np.asarray(eos), np.int32(pad_id), key)
 
 
-def check_all_params(target, params, drafter, draft_params) -> None:
+def check_all_params(target, params, drafter, draft_params) -> tuple[tuple, tuple]:
   """Host-side: the target's and the drafter's params fit their models (BadArgument naming
-  the tensor otherwise), so params of another model never reach the tracer."""
-  check_params_fit(target, params, what="target params")
-  drafter.check_params(draft_params)
+  the tensor otherwise), so params of another model never reach the tracer.
+  -> their params_signature's (a drafter on the target's own params: flattened once)."""
+  signature = check_params_fit(target, params, what="target params")
+  draft_signature = signature if draft_params is params else params_signature(draft_params)
+  drafter.check_params(draft_params, signature=draft_signature)
+  return signature, draft_signature
 
 
 def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_params,

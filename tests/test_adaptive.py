@@ -458,6 +458,26 @@ def test_no_probe_when_the_budget_left_cannot_repay_it():
                             True))
 
 
+@pytest.mark.parametrize("idle,remaining,can_probe", [
+    (0, [100, 5], True), (5, [100, 5], True), (8, [40, 5], True), (3, [33, 33], True),
+    (3, [32, 32], True), (0, [100, 5], False)])
+def test_a_plain_stretch_ends_where_a_probe_becomes_due(idle, remaining, can_probe):
+  """steps_to_probe (the length of a plain stretch) agrees with probe_due stepped one plain
+  step at a time (an idle round more, a token less per row): the first step after which a
+  probe is due, or none before the budget runs out (the stretch then runs to the end)."""
+  from spec_jax.adaptive import _TO_THE_END, probe_due, probe_window, steps_to_probe
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
+  stats = stats.replace(idle_rounds=jnp.int32(idle))
+  window = probe_window(AdaptiveRules(), 1.0, 3.5)  # 28 tokens
+  remaining_B = jnp.asarray(remaining)
+  n = int(steps_to_probe(stats, remaining_B, window, can_probe))
+  due = [k for k in range(1, max(remaining) + 1)
+         if bool(probe_due(stats.replace(idle_rounds=stats.idle_rounds + k),
+                           jnp.maximum(remaining_B - k, 0), window, can_probe))]
+  assert n == (due[0] if due else _TO_THE_END), (n, due[:3])
+
+
 def test_a_probe_is_promising_when_it_moves_the_batchs_finish():
   """One row, a round 1.2 plain steps dearer than a plain step: accepting one draft (2 tokens)
   is promising, none is not. 64 rows with 20 tokens left: 63 rows accepting 4 drafts and one

@@ -71,18 +71,37 @@ _FITTING: set = set()
 _FITTING_MAX = 256
 
 
-def check_params_fit(model, params, *, what: str) -> None:
+def params_signature(params) -> tuple:
+  """What compiled code depends on in a params pytree, hashable: its structure and each
+  tensor's shape and dtype (a quantized kernel's: its parts'). One flatten: an nnx State's
+  Variables flatten in Python, ~0.1 ms a call for a small model's ~50 tensors, which a
+  generation of ~10 ms (stories260K) feels when it is done four times over."""
+  leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_quantized)
+  return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _leaf_signature(x) -> tuple:
+  if isinstance(x, (jax.Array, np.ndarray)):
+    return x.shape, x.dtype
+  if _is_quantized(x):
+    return type(x), tuple(_leaf_signature(part) for part in jax.tree_util.tree_leaves(x))
+  return np.shape(x), np.result_type(x)
+
+
+def check_params_fit(model, params, *, what: str, signature: tuple | None = None) -> tuple:
   """BadArgument unless `params` has the names and shapes `model.abstract_params()` says,
   checked on the host before tracing (params of another model otherwise fail deep inside
-  jax, as "Incorrect number of leaves"). Models without abstract_params are not checked."""
+  jax, as "Incorrect number of leaves"). Models without abstract_params are not checked.
+  -> params_signature(params) (pass it as `signature` when known, to save the flatten)."""
+  signature = params_signature(params) if signature is None else signature
   if not hasattr(model, "abstract_params"):
-    return
-  leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_quantized)
-  key = (model, treedef, tuple(tuple(getattr(x, "shape", None) or np.shape(x)) for x in leaves))
+    return signature
+  key = (model, signature)
   if key in _FITTING:
-    return
+    return signature
   check_names_and_shapes(expected_shapes(model), _shapes(params), source=what,
                          error=BadArgument, expected_by=f"the {type(model).__name__} given")
   if len(_FITTING) >= _FITTING_MAX:
     _FITTING.clear()
   _FITTING.add(key)
+  return signature

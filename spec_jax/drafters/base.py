@@ -114,13 +114,15 @@ class Drafter:
                        f"({self.max_gamma_reason}), got gamma={gamma}")
     check_feature_layers(self.feature_layers, target, type(self).__name__)
 
-  def check_params(self, params) -> None:
+  def check_params(self, params, signature: tuple | None = None) -> None:
     """Host-side: `params` fit this drafter's model (names and shapes), before tracing.
     By default the drafter's `model`, if it has abstract_params, against params (or their
-    trainable `own` part, for heads that borrow the target's); override to check more."""
+    trainable `own` part, for heads that borrow the target's); override to check more.
+    `signature`: params_signature(params), when the caller has it."""
     model = getattr(self, "model", None)
-    check_params_fit(model, getattr(params, "own", params),
-                     what=f"draft params for {type(self).__name__}")
+    own = getattr(params, "own", params)
+    check_params_fit(model, own, what=f"draft params for {type(self).__name__}",
+                     signature=signature if own is params else None)
 
   def extra_slots(self, gamma: int) -> int:
     """Cache slots a round may write beyond the kept tokens (target: gamma drafts + 1)."""

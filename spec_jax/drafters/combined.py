@@ -124,7 +124,7 @@ class FallbackDrafter(Drafter):
   def extra_slots(self, gamma: int) -> int:
     return max(self.primary.extra_slots(gamma), self.secondary.extra_slots(gamma))
 
-  def check_params(self, params) -> None:
+  def check_params(self, params, signature: tuple | None = None) -> None:
     if not isinstance(params, (tuple, list)) or len(params) != 2:
       raise BadArgument(f"draft params for {type(self).__name__}: expected (primary params, "
                         f"secondary params), got {type(params).__name__}")
