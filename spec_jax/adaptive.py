@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from spec_jax.core.control import cond_in_place, switch_in_place
+from spec_jax.core.control import cond_in_place, switch_in_place, zeros_like_outputs
 from spec_jax.core.pytree_names import params_signature
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
                                     split_unless_greedy)
@@ -487,21 +487,14 @@ class AdaptiveRound:
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     costs, draft_cost_G = cfg.cost_table()
-    cost_np_G1 = cost_of_lengths(cfg.widths, costs)
-    cost_G1 = jnp.asarray(cost_np_G1)
+    cost_G1 = jnp.asarray(cost_of_lengths(cfg.widths, costs))
     step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
                              draft_params, lengths_B, budget_B, eos_id)
-    # no probes where even drafts that were all accepted could not beat a plain step: the
-    # cost table alone (static) rules drafting out, and probing would only pay for drafts
-    can_probe = drafting_can_pay(cost_np_G1, draft_cost_G)
     # a row can emit budget - generated more tokens, one of them the target's own: drafts
     # past that are never kept, so they are worth nothing (known before drafting: lossless)
     remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
-    last_probe = probe_window(rules, cost_np_G1[0], np.max(cost_np_G1[1:] + draft_cost_G))
-    probe = probe_due(stats, remaining_B, last_probe, can_probe)
     useful_B = jnp.maximum(remaining_B - 1, 0)
-    planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B, ~s.done_B,
-                             cost_G1, draft_cost_G, rules, probe, remaining_B)
+    can_probe, last_probe, probe, planned = self.plan(stats, remaining_B)
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
@@ -517,6 +510,30 @@ class AdaptiveRound:
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B,
         catch_up_cost=float(draft_cost_G[-1]) if drafter.skips_rounds else 0.0)
+
+  def plan(self, stats: AdaptiveStats, remaining_B):
+    """What a chain round decides before drafting -> (can_probe: static, last_probe: the
+    probe window, probe: [] bool, planned: [] int32 drafts, 0 for a plain stretch)."""
+    rules = self.config.rules
+    costs, draft_cost_G = self.config.cost_table()
+    cost_np_G1 = cost_of_lengths(self.config.widths, costs)
+    # no probes where even drafts that were all accepted could not beat a plain step: the
+    # cost table alone (static) rules drafting out, and probing would only pay for drafts
+    can_probe = drafting_can_pay(cost_np_G1, draft_cost_G)
+    last_probe = probe_window(rules, cost_np_G1[0], np.max(cost_np_G1[1:] + draft_cost_G))
+    probe = probe_due(stats, remaining_B, last_probe, can_probe)
+    planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
+                             remaining_B > 0, jnp.asarray(cost_np_G1), draft_cost_G, rules,
+                             probe, remaining_B)
+    return can_probe, last_probe, probe, planned
+
+  def never_drafts(self, drafter, stats: AdaptiveStats, remaining_B) -> jax.Array:
+    """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
+    planned, no probe due now or later), so no round of this run drafts."""
+    del drafter
+    can_probe, last_probe, probe, planned = self.plan(stats, remaining_B)
+    return ((planned == 0) & ~probe
+            & (steps_to_probe(stats, remaining_B, last_probe, can_probe) == _TO_THE_END))
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
                        round_cost, budget_B, catch_up_cost=0.0):
@@ -858,11 +875,28 @@ def _adaptive_program_class():
 
     def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key):
       state = super().init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
-      r = self.adaptive.rules
-      stats = AdaptiveStats.zeros(tokens_BP.shape[0], self.gamma, self.adaptive.widths,
-                                  r.initial_gamma, r.prior, r.probe_every,
-                                  self.adaptive.tree_nodes)
+      stats = self.initial_stats(tokens_BP.shape[0])
       return state.replace(metrics=state.metrics.replace(adaptive=stats))
+
+    def initial_stats(self, batch: int) -> AdaptiveStats:
+      r = self.adaptive.rules
+      return AdaptiveStats.zeros(batch, self.gamma, self.adaptive.widths, r.initial_gamma,
+                                 r.prior, r.probe_every, self.adaptive.tree_nodes)
+
+    def init_drafter(self, draft_params, prompt, remaining_tokens_B):
+      """A drafter that skips rounds is not read in a plain stretch to the end; where the
+      first round will be one (the plan drafts nothing and no probe can come: a useless
+      draft, or a budget too short to repay one), its prefill is skipped too, and its state
+      left zero: a 12-of-30-layer skip of SmolLM2 otherwise spent ~10% of a 32-token answer
+      prefilling a draft cache nothing read."""
+      init = functools.partial(self.drafter.init, draft_params)
+      if (self.drafter.is_tree or not self.drafter.skips_rounds
+          or self.adaptive.final_draft_state):
+        return init(prompt)
+      stats = self.initial_stats(prompt.tokens_BP.shape[0])
+      never = self.round_fn.never_drafts(self.drafter, stats, remaining_tokens_B)
+      return cond_in_place(never, lambda state: state, lambda _: init(prompt),
+                           zeros_like_outputs(init, prompt))
 
   return AdaptiveProgram
 

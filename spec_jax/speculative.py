@@ -197,11 +197,18 @@ class SpeculativeProgram:
     counts = TokenCounts.of_prompts(tokens_BP, lengths_B, self.target.vocab_size, self.sampling)
     pending_B, seq_BS, num_generated_B, done_B, counts, failed_B = first_token(
         first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, self.sampling, counts)
-    draft_state = self.drafter.init(draft_params, PromptInfo(tokens_BP, lengths_B,
-                                                             self.cache_len, hidden_BPD))
+    draft_state = self.init_drafter(
+        draft_params, PromptInfo(tokens_BP, lengths_B, self.cache_len, hidden_BPD),
+        remaining_tokens_B=jnp.where(done_B, 0, budget_B - num_generated_B))
     metrics = SpecMetrics.zeros(tokens_BP.shape[0], self.gamma).replace(tokens_B=num_generated_B)
     return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics,
                      failed_B, counts)
+
+  def init_drafter(self, draft_params, prompt: PromptInfo, remaining_tokens_B):
+    """The drafter's state after the prefill (adaptive programs skip it where no round will
+    draft)."""
+    del remaining_tokens_B
+    return self.drafter.init(draft_params, prompt)
 
   def run(self, params, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
           round_limit) -> SpecState:

@@ -346,8 +346,9 @@ def test_draft_cache_is_caught_up_after_plain_stretches(stories, story_prompts, 
 def test_a_stretch_that_ends_the_run_leaves_the_draft_cache_behind_unless_it_is_read(
     stories, story_prompts):
   # Drafting that never pays: one plain stretch to the end, after which nothing drafts, so
-  # its catch-ups are skipped; a caller that reads the final drafter state (return_state)
-  # gets it caught up. Same tokens either way.
+  # the drafter's prefill and catch-ups are skipped (its state stays zero); a caller that
+  # reads the final drafter state (return_state) gets it prefilled and caught up. Same
+  # tokens either way.
   model, params = stories
   prompts = pad_prompts(story_prompts, width=12)
   drafter, draft_params = make_drafter("layer_skip", model, params, num_layers=2)
@@ -359,11 +360,34 @@ def test_a_stretch_that_ends_the_run_leaves_the_draft_cache_behind_unless_it_is_
   assert np.array_equal(out.tokens, ref.tokens)
   assert summarize(out.metrics)["adaptive"]["undrafted_rounds"] == summarize(out.metrics)["rounds"]
   prompt_lengths = np.asarray(prompts[1])
-  assert np.all(np.asarray(state.cache.length_B) <= prompt_lengths)  # as the prefill left it
+  assert np.all(np.asarray(state.cache.length_B) == 0)  # never prefilled
   out, _, state = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
                             max_new_tokens=NEW, return_state=True)
   assert np.array_equal(out.tokens, ref.tokens)
   assert np.all(np.asarray(state.cache.length_B) >= prompt_lengths + NEW - 2)
+
+
+def test_a_run_that_starts_plain_and_probes_later_prefills_its_drafter(stories,
+                                                                      story_prompts):
+  # The first round plans no drafts (a prior of 0.7 does not pay for this table) but probes
+  # come, so the drafter's prefill must not be skipped: a perfect drafter (the target as its
+  # own draft model) then has its probes accepted whole, and drafting takes over. With a
+  # zero draft cache its drafts would be noise.
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
+                       draft_cost=0.5, rules=AdaptiveRules(probe_every=2))
+  program, args = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=cfg,
+                                  max_new_tokens=NEW)
+  stats = program.initial_stats(len(story_prompts))
+  assert not bool(program.round_fn.plan(stats, jnp.full(len(story_prompts), NEW))[3])
+  out = speculate(model, params, DraftModelDrafter(model), params, *prompts, gamma=cfg,
+                  max_new_tokens=NEW)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  assert np.array_equal(out.tokens, ref.tokens)
+  m = summarize(out.metrics)
+  assert 2 <= m["adaptive"]["undrafted_rounds"] < m["rounds"], m["adaptive"]
+  assert m["acceptance_rate"] > 0.97, m  # (a zero draft cache: 0.8)
 
 
 @pytest.mark.parametrize("costs,draft,match", [
