@@ -54,7 +54,7 @@ from spec_jax.core.pytree_names import params_signature
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
                                     split_unless_greedy)
 from spec_jax.drafters.base import DraftContext, Drafter
-from spec_jax.generate import decode_token, finite_prefix
+from spec_jax.generate import decode_token, finite_prefix, remaining_tokens
 from spec_jax.metrics import AdaptiveStats
 
 DEFAULT_GAMMA_MAX = 8
@@ -433,11 +433,6 @@ def probe_window(rules, plain_cost, dearest_round_cost) -> float:
   return float(rules.probe_every * dearest_round_cost / plain_cost)
 
 
-def remaining_tokens(done_B, num_generated_B, budget_B) -> jax.Array:
-  """[B] int32: the tokens each row may still emit (0 once done)."""
-  return jnp.where(done_B, 0, jnp.maximum(budget_B - num_generated_B, 0))
-
-
 def probe_due(stats, remaining_B, last_probe, can_probe) -> jax.Array:
   """[] bool: draft this round whatever the plan says (AdaptiveRules.probe_every)."""
   return ((stats.idle_rounds >= stats.probe_interval) & can_probe
@@ -531,10 +526,9 @@ class AdaptiveRound:
                              probe, remaining_B)
     return can_probe, last_probe, probe, planned
 
-  def never_drafts(self, drafter, stats: AdaptiveStats, remaining_B) -> jax.Array:
+  def never_drafts(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
     """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
     planned, no probe due now or later), so no round of this run drafts."""
-    del drafter
     can_probe, last_probe, probe, planned = self.plan(stats, remaining_B)
     return ((planned == 0) & ~probe
             & (steps_to_probe(stats, remaining_B, last_probe, can_probe) == _TO_THE_END))
@@ -898,7 +892,7 @@ def _adaptive_program_class():
           or self.adaptive.final_draft_state):
         return init(prompt)
       stats = self.initial_stats(prompt.tokens_BP.shape[0])
-      never = self.round_fn.never_drafts(self.drafter, stats, remaining_tokens_B)
+      never = self.round_fn.never_drafts(stats, remaining_tokens_B)
       return cond_in_place(never, lambda state: state, lambda _: init(prompt),
                            zeros_like_outputs(init, prompt))
 

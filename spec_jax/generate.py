@@ -210,6 +210,11 @@ def write_tokens(seq_BS, start_B, new_BT, count_B):
                                                                              new_BT)
 
 
+def remaining_tokens(done_B, num_generated_B, budget_B) -> jax.Array:
+  """[B] int32: the tokens each row may still emit (0 once done)."""
+  return jnp.where(done_B, 0, jnp.maximum(budget_B - num_generated_B, 0))
+
+
 def tokens_to_emit(new_BT, num_new_B, num_generated_B, budget_B, done_B, eos_E):
   """How many of the candidate tokens each row keeps, and whether it is then done.
 

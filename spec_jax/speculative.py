@@ -28,7 +28,8 @@ from spec_jax.core.interface import CausalLM
 from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
                                finite_prefix, initial_buffer, key_and_eos, pad_id_value,
-                               prefill, token_history, tokens_to_emit, write_tokens)
+                               prefill, remaining_tokens, token_history, tokens_to_emit,
+                               write_tokens)
 from spec_jax.core.errors import BadArgument, is_int
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.core.pytree_names import check_params_fit, params_signature
@@ -199,7 +200,7 @@ class SpeculativeProgram:
         first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, self.sampling, counts)
     draft_state = self.init_drafter(
         draft_params, PromptInfo(tokens_BP, lengths_B, self.cache_len, hidden_BPD),
-        remaining_tokens_B=jnp.where(done_B, 0, budget_B - num_generated_B))
+        remaining_tokens_B=remaining_tokens(done_B, num_generated_B, budget_B))
     metrics = SpecMetrics.zeros(tokens_BP.shape[0], self.gamma).replace(tokens_B=num_generated_B)
     return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics,
                      failed_B, counts)
