@@ -42,7 +42,7 @@ import functools
 import itertools
 import math
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -205,10 +205,28 @@ class AdaptiveConfig:
     """Target costs per width: the supplied or measured ones, else defaults."""
     return default_costs(self.widths) if self.target_costs is None else self.target_costs
 
-  def cost_table(self) -> tuple[tuple[float, ...], np.ndarray]:
-    """(target costs per width, [gamma_max] cost of drafting m = 1..gamma_max)."""
-    return (self.target_cost_table(),
-            drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost))
+  @functools.cached_property
+  def cost_table(self) -> "CostTable":
+    """The table a chain round plans from (host-side, static; derived once per config)."""
+    target_W = np.asarray(self.target_cost_table(), np.float32)
+    return CostTable(target_W, cost_of_lengths(self.widths, target_W),
+                     drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost))
+
+
+class CostTable(NamedTuple):
+  """A chain round's costs, in seconds (numpy, static: part of the compiled program)."""
+  target_W: np.ndarray  # [W] a target pass at each compiled width (widths[0] == 1: a step)
+  verify_G1: np.ndarray  # [G + 1] the pass that verifies k = 0..G drafts (cost_of_lengths)
+  drafting_G: np.ndarray  # [G] a propose that makes m = 1..G drafts (drafting_costs)
+
+  @property
+  def plain(self) -> float:
+    return float(self.verify_G1[0])
+
+  @property
+  def rounds_G(self) -> np.ndarray:
+    """[G] a drafted round of m = 1..G drafts: drafting them and verifying them."""
+    return self.verify_G1[1:] + self.drafting_G
 
 
 def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> np.ndarray:
@@ -485,8 +503,7 @@ class AdaptiveRound:
                params, draft_params, lengths_B, budget_B, eos_id, s):
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
-    costs, draft_cost_G = cfg.cost_table()
-    cost_G1 = jnp.asarray(cost_of_lengths(cfg.widths, costs))
+    table = cfg.cost_table
     step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
                              draft_params, lengths_B, budget_B, eos_id)
     # a row can emit budget - generated more tokens, one of them the target's own: drafts
@@ -497,33 +514,33 @@ class AdaptiveRound:
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                                cost_G1, probe, planned, s, useful_B=useful_B)
+                                jnp.asarray(table.verify_G1), probe, planned, s,
+                                useful_B=useful_B)
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
                                     can_probe, last_probe)
-    drafting = jnp.asarray(draft_cost_G)[jnp.maximum(planned, 1) - 1]
-    costs_W = jnp.asarray(costs, jnp.float32)
+    drafting = jnp.asarray(table.drafting_G)[jnp.maximum(planned, 1) - 1]
+    costs_W = jnp.asarray(table.target_W)
     return self.drafted_or_plain(
         s, planned > 0, probe, drafted_round, plain_steps, schedule=rules.schedule,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B,
-        catch_up_cost=float(draft_cost_G[-1]) if drafter.skips_rounds else 0.0)
+        catch_up_cost=float(table.drafting_G[-1]) if drafter.skips_rounds else 0.0)
 
   def plan(self, stats: AdaptiveStats, remaining_B):
     """What a chain round decides before drafting -> (can_probe: static, last_probe: the
     probe window, probe: [] bool, planned: [] int32 drafts, 0 for a plain stretch)."""
     rules = self.config.rules
-    costs, draft_cost_G = self.config.cost_table()
-    cost_np_G1 = cost_of_lengths(self.config.widths, costs)
+    table = self.config.cost_table
     # no probes where even drafts that were all accepted could not beat a plain step: the
     # cost table alone (static) rules drafting out, and probing would only pay for drafts
-    can_probe = drafting_can_pay(cost_np_G1, draft_cost_G)
-    last_probe = probe_window(rules, cost_np_G1[0], np.max(cost_np_G1[1:] + draft_cost_G))
+    can_probe = drafting_can_pay(table.verify_G1, table.drafting_G)
+    last_probe = probe_window(rules, table.plain, np.max(table.rounds_G))
     probe = probe_due(stats, remaining_B, last_probe, can_probe)
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
-                             remaining_B > 0, jnp.asarray(cost_np_G1), draft_cost_G, rules,
-                             probe, remaining_B)
+                             remaining_B > 0, jnp.asarray(table.verify_G1), table.drafting_G,
+                             rules, probe, remaining_B)
     return can_probe, last_probe, probe, planned
 
   def never_drafts(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
