@@ -213,6 +213,15 @@ class AdaptiveConfig:
                      drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost))
 
 
+class RoundPlan(NamedTuple):
+  """What a round decides before anything is drawn (AdaptiveRound.plan)."""
+  can_probe: bool  # static: some drafted round could beat a plain step (the table alone)
+  last_probe: float  # the probe window: fewest tokens left for a probe (probe_window)
+  probe: jax.Array  # [] bool: draft whatever the estimates say (probe_due)
+  drafts: jax.Array  # [] bool: this round drafts (planned, or a probe)
+  size: jax.Array  # [] int32: chains: the drafts planned; trees: the node budget's index
+
+
 class CostTable(NamedTuple):
   """A chain round's costs, in seconds (numpy, static: part of the compiled program)."""
   target_W: np.ndarray  # [W] a target pass at each compiled width (widths[0] == 1: a step)
@@ -510,27 +519,27 @@ class AdaptiveRound:
     # past that are never kept, so they are worth nothing (known before drafting: lossless)
     remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
     useful_B = jnp.maximum(remaining_B - 1, 0)
-    can_probe, last_probe, probe, planned = self.plan(stats, remaining_B)
+    plan = self.plan(stats, remaining_B)
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                                jnp.asarray(table.verify_G1), probe, planned, s,
+                                jnp.asarray(table.verify_G1), plan.probe, plan.size, s,
                                 useful_B=useful_B)
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
-                                    can_probe, last_probe)
-    drafting = jnp.asarray(table.drafting_G)[jnp.maximum(planned, 1) - 1]
+                                    plan.can_probe, plan.last_probe)
+    drafting = jnp.asarray(table.drafting_G)[jnp.maximum(plan.size, 1) - 1]
     costs_W = jnp.asarray(table.target_W)
     return self.drafted_or_plain(
-        s, planned > 0, probe, drafted_round, plain_steps, schedule=rules.schedule,
+        s, plan.drafts, plan.probe, drafted_round, plain_steps, schedule=rules.schedule,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B,
         catch_up_cost=float(table.drafting_G[-1]) if drafter.skips_rounds else 0.0)
 
-  def plan(self, stats: AdaptiveStats, remaining_B):
-    """What a chain round decides before drafting -> (can_probe: static, last_probe: the
-    probe window, probe: [] bool, planned: [] int32 drafts, 0 for a plain stretch)."""
+  def plan(self, stats: AdaptiveStats, remaining_B) -> RoundPlan:
+    """What a chain round decides before drafting: its size is the drafts planned (0: a
+    plain stretch)."""
     rules = self.config.rules
     table = self.config.cost_table
     # no probes where even drafts that were all accepted could not beat a plain step: the
@@ -541,14 +550,14 @@ class AdaptiveRound:
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
                              remaining_B > 0, jnp.asarray(table.verify_G1), table.drafting_G,
                              rules, probe, remaining_B)
-    return can_probe, last_probe, probe, planned
+    return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
 
   def never_drafts(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
     """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
     planned, no probe due now or later), so no round of this run drafts."""
-    can_probe, last_probe, probe, planned = self.plan(stats, remaining_B)
-    return ((planned == 0) & ~probe
-            & (steps_to_probe(stats, remaining_B, last_probe, can_probe) == _TO_THE_END))
+    plan = self.plan(stats, remaining_B)
+    return ~plan.drafts & (steps_to_probe(stats, remaining_B, plan.last_probe, plan.can_probe)
+                           == _TO_THE_END)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
                        round_cost, budget_B, catch_up_cost=0.0):
@@ -803,33 +812,43 @@ class AdaptiveTreeRound(AdaptiveRound):
 
   def __call__(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                lengths_B, budget_B, eos_id, s):
-    cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
-    cost_W = np.asarray(cfg.target_cost_table(), np.float64)
-    cost_W[1:] += float(cfg.draft_cost or 0.0)  # propose_tree, timed once
-    budgets = cfg.widths[1:]
+    budgets = self.config.widths[1:]
+    plan = self.plan(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B))
+
+    def tree_round(s):
+      return self.tree_round(target, drafter, gamma, sampling, verifier, params, draft_params,
+                             lengths_B, budget_B, eos_id, budgets, plan.size, s)
+
+    plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
+                                    verifier, params, draft_params, lengths_B, budget_B, eos_id,
+                                    plan.can_probe, plan.last_probe)
+    cost_W = jnp.asarray(self.tree_costs(), jnp.float32)
+    return self.drafted_or_plain(s, plan.drafts, plan.probe, tree_round, plain_steps,
+                                 schedule=False, round_cost=lambda w_idx: cost_W[w_idx],
+                                 budget_B=budget_B)
+
+  def tree_costs(self) -> np.ndarray:
+    """[W] a plain step's cost, then each node budget's (its target pass + propose_tree)."""
+    cost_W = np.asarray(self.config.target_cost_table(), np.float64)
+    cost_W[1:] += float(self.config.draft_cost or 0.0)  # propose_tree, timed once
+    return cost_W
+
+  def plan(self, stats: AdaptiveStats, remaining_B) -> RoundPlan:
+    """What a tree round decides before drafting: its size is the index of the node budget
+    (a probe verifies the whole tree)."""
+    gamma, budgets = self.config.gamma_max, self.config.widths[1:]
+    cost_W = self.tree_costs()
     # static: whether some cut tree whose deepest path were always accepted would beat a
     # plain step (a cut to k nodes reaches at most depth k - 1)
     best_case_K = np.array([1 + min(k - 1, gamma) for k in budgets])
     can_probe = bool(np.any(best_case_K / cost_W[1:] > 1 / cost_W[0]))
-    remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
-    last_probe = probe_window(rules, cost_W[0], cost_W[-1])
+    last_probe = probe_window(self.config.rules, cost_W[0], cost_W[-1])
     probe = probe_due(stats, remaining_B, last_probe, can_probe)
-    budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, ~s.done_B, budgets,
+    budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, remaining_B > 0, budgets,
                                               jnp.asarray(cost_W, jnp.float32))
-    budget_idx = jnp.where(probe, len(budgets) - 1, budget_idx)
-
-    def tree_round(s):
-      return self.tree_round(target, drafter, gamma, sampling, verifier, params, draft_params,
-                             lengths_B, budget_B, eos_id, budgets, budget_idx, s)
-
-    plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
-                                    verifier, params, draft_params, lengths_B, budget_B, eos_id,
-                                    can_probe, last_probe)
-    return self.drafted_or_plain(s, tree_now | probe, probe, tree_round, plain_steps,
-                                 schedule=False,
-                                 round_cost=lambda w_idx: jnp.asarray(cost_W, jnp.float32)[w_idx],
-                                 budget_B=budget_B)
+    return RoundPlan(can_probe, last_probe, probe, tree_now | probe,
+                     jnp.where(probe, len(budgets) - 1, budget_idx))
 
   def tree_round(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                  lengths_B, budget_B, eos_id, budgets, budget_idx, s):

@@ -380,7 +380,7 @@ def test_a_run_that_starts_plain_and_probes_later_prefills_its_drafter(stories,
   program, args = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=cfg,
                                   max_new_tokens=NEW)
   stats = program.initial_stats(len(story_prompts))
-  assert not bool(program.round_fn.plan(stats, jnp.full(len(story_prompts), NEW))[3])
+  assert not bool(program.round_fn.plan(stats, jnp.full(len(story_prompts), NEW)).drafts)
   out = speculate(model, params, DraftModelDrafter(model), params, *prompts, gamma=cfg,
                   max_new_tokens=NEW)
   ref = generate(model, params, *prompts, max_new_tokens=NEW)
