@@ -823,13 +823,15 @@ class AdaptiveTreeRound(AdaptiveRound):
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
                                     plan.can_probe, plan.last_probe)
-    cost_W = jnp.asarray(self.tree_costs(), jnp.float32)
+    cost_W = jnp.asarray(self.tree_costs, jnp.float32)
     return self.drafted_or_plain(s, plan.drafts, plan.probe, tree_round, plain_steps,
                                  schedule=False, round_cost=lambda w_idx: cost_W[w_idx],
                                  budget_B=budget_B)
 
+  @functools.cached_property
   def tree_costs(self) -> np.ndarray:
-    """[W] a plain step's cost, then each node budget's (its target pass + propose_tree)."""
+    """[W] a plain step's cost, then each node budget's (its target pass + propose_tree);
+    derived once per round function, as the chain's AdaptiveConfig.cost_table."""
     cost_W = np.asarray(self.config.target_cost_table(), np.float64)
     cost_W[1:] += float(self.config.draft_cost or 0.0)  # propose_tree, timed once
     return cost_W
@@ -838,7 +840,7 @@ class AdaptiveTreeRound(AdaptiveRound):
     """What a tree round decides before drafting: its size is the index of the node budget
     (a probe verifies the whole tree)."""
     gamma, budgets = self.config.gamma_max, self.config.widths[1:]
-    cost_W = self.tree_costs()
+    cost_W = self.tree_costs
     # static: whether some cut tree whose deepest path were always accepted would beat a
     # plain step (a cut to k nodes reaches at most depth k - 1)
     best_case_K = np.array([1 + min(k - 1, gamma) for k in budgets])
