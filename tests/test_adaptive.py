@@ -66,7 +66,7 @@ def test_auto_measures_costs_and_stays_greedy_identical(stories, ragged, monkeyp
   prompts, budgets, ref = ragged
   measured = []
   real = adaptive.measure_costs
-  monkeypatch.setattr(adaptive, "measure_costs",
+  monkeypatch.setattr(adaptive.costs, "measure_costs",
                       lambda *a, **k: measured.append(real(*a, **k)) or measured[-1])
   out = speculate(model, params, DraftModelDrafter(model), perturbed(params, 0.15, seed=1),
                   *prompts, gamma="auto", max_new_tokens=NEW, budgets_B=budgets, eos_id=1)
@@ -88,10 +88,10 @@ def test_measured_costs_are_cached_per_params_dtypes(small_pair, monkeypatch):
   from spec_jax.core.quantize import quantize_params
   target, tp, draft_model, dp = small_pair
   timed = []
-  real = adaptive._interleaved_seconds
-  monkeypatch.setattr(adaptive, "_interleaved_seconds",
+  real = adaptive.costs._interleaved_seconds
+  monkeypatch.setattr(adaptive.costs, "_interleaved_seconds",
                       lambda thunks, repeats: timed.extend(thunks) or real(thunks, repeats))
-  monkeypatch.setattr(adaptive, "_MEASURED", {})
+  monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
                                   gamma=AdaptiveConfig(2, widths=(1, 3)), max_new_tokens=4)
   per_measurement = 2 * (2 + 2)  # two widths, two draft points; each also timed passing none
@@ -109,11 +109,12 @@ def test_measured_target_costs_never_fall_with_width(small_pair, monkeypatch):
   from spec_jax import adaptive
   target, tp, draft_model, dp = small_pair
   timings = [3.0, 2.0, 4.0, 3.5, 1.0, 0.5]  # widths 1, 2, 3, 5; 4 drafts; one draft
-  monkeypatch.setattr(adaptive, "timing_plan", lambda one, repeats, none: ([2] * len(one), 1))
+  monkeypatch.setattr(adaptive.costs, "timing_plan",
+                      lambda one, repeats, none: ([2] * len(one), 1))
   # two passes a call, then each call of none (what a call costs besides its passes)
-  monkeypatch.setattr(adaptive, "_interleaved_seconds",
+  monkeypatch.setattr(adaptive.costs, "_interleaved_seconds",
                       lambda thunks, repeats: [t * 2 + 0.25 for t in timings] + [0.25] * 6)
-  monkeypatch.setattr(adaptive, "_MEASURED", {})
+  monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
                                   gamma=AdaptiveConfig(4), max_new_tokens=4)
   assert program.adaptive.resolved().widths == (1, 2, 3, 5)
@@ -157,7 +158,7 @@ def test_cost_table_times_what_the_round_runs(small_pair, monkeypatch, drafter_c
   monkeypatch.setattr(adaptive.AdaptiveRound, "step", staticmethod(step))
   monkeypatch.setattr(adaptive.AdaptiveRound, "plain_token", staticmethod(
       lambda *a: traced.append(("plain",)) or real_plain(*a)))
-  monkeypatch.setattr(adaptive, "_MEASURED", {})
+  monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
   program, args = prepare_program(target, drafter, *pad_prompts([[1, 2], [3]]),
                                   gamma=AdaptiveConfig(4), max_new_tokens=4)
   costs, _, _ = adaptive.measure_costs(program, tp, draft_params, args, repeats=1)
@@ -489,7 +490,7 @@ def test_a_plain_stretch_ends_where_a_probe_becomes_due(idle, remaining, can_pro
   """steps_to_probe (the length of a plain stretch) agrees with probe_due stepped one plain
   step at a time (an idle round more, a token less per row): the first step after which a
   probe is due, or none before the budget runs out (the stretch then runs to the end)."""
-  from spec_jax.adaptive import _TO_THE_END, probe_due, probe_window, steps_to_probe
+  from spec_jax.adaptive.planning import _TO_THE_END, probe_due, probe_window, steps_to_probe
   from spec_jax.metrics import AdaptiveStats
   stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
   stats = stats.replace(idle_rounds=jnp.int32(idle))

@@ -558,7 +558,8 @@ def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, traine
     prepare_program(model, drafter, *prompts, gamma=adaptive.AdaptiveConfig(gamma_max=8),
                     max_new_tokens=NEW)
   # a fixed table (what measure_costs returns) where drafting pays: drafted rounds run
-  monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: ((1.0, 1.1, 1.2, 1.3), 0.1, 0.05))
+  monkeypatch.setattr(adaptive.costs, "measure_costs",
+                      lambda *a, **k: ((1.0, 1.1, 1.2, 1.3), 0.1, 0.05))
   out = speculate(model, params, drafter, spec.draft_params(own, model, params), *prompts,
                   gamma="auto", max_new_tokens=NEW, eos_id=1)
   assert np.array_equal(out.tokens, reference.tokens)

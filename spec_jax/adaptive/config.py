@@ -1,0 +1,220 @@
+"""gamma="auto"'s settings: the compiled widths, the stopping rules and the cost table.
+
+Host-side and static (hashable): a config is part of the compiled program."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+DEFAULT_GAMMA_MAX = 8
+
+
+def default_widths(gamma_max: int) -> tuple[int, ...]:
+  """1, 2, 3, 5, 9, ... tokens per target pass (the pending token + drafts), capped by
+  gamma_max + 1, which is always included."""
+  widths, w = [1, 2, 3], 5
+  while w < gamma_max + 1:
+    widths.append(w)
+    w = 2 * w - 1
+  return tuple(sorted({x for x in widths if x <= gamma_max} | {gamma_max + 1}))
+
+
+def tree_widths(num_nodes: int) -> tuple[int, ...]:
+  """A tree program's widths: a plain step (1), then the tree cut to its first 2, 3, 5, 9,
+  ... nodes, and the whole tree (num_nodes)."""
+  return (1,) + tuple(w for w in default_widths(num_nodes - 1) if 1 < w < num_nodes) + (
+      num_nodes,)
+
+
+def default_costs(widths) -> tuple[float, ...]:
+  """A guess when nothing was measured: a pass costs 1 + 0.1 per extra token."""
+  return tuple(1.0 + 0.1 * (w - 1) for w in widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRules:
+  """Stopping rules and scheduler settings (hashable: part of the compiled program).
+
+  confidence: stop after a draft whose own probability is below it, or before a position
+    whose top draft probability is below it (0 disables).
+  survival: admit position i while the running product of acceptance estimates is >= it.
+  schedule: HF's per-row gamma (+2 after a fully accepted block, -1 otherwise), starting at
+    initial_gamma.
+  prior / learning_rate: the online per-row, per-position acceptance estimates (an
+    exponential moving average of "accepted, given reached and verified").
+  forget: in each drafted round, a row's estimates of later positions it did not verify move
+    this much of the way back to the prior, so that a position once rejected is tried again
+    (the scheduler stops verifying it, and an estimate nothing updates would stay low for
+    the whole generation: on the built-in pair, two early rejections of the second draft
+    held a prompt at one draft a round, 0.69x of its best fixed gamma).
+  probe_every: after this many rounds without drafting, draft anyway to refresh the
+    estimates, while the slowest row's remaining budget, in plain steps, takes at least
+    probe_every times the dearest drafted round (a probe near the end has no time to pay
+    for itself: at 64 rows of a 292M target a 5-token round costs 3.5 plain steps, and three
+    probes in 32 tokens cost `auto` 10%); probe_growth: the interval grows this many times
+    after each probe that was not promising (drafted_or_plain; up to 64x probe_every), and
+    returns to probe_every after one that was, or after a round that drafts because drafting
+    pays. x2: probes after 8, 24, 56, 120 idle steps. x4 (8, 40, 168) saved a useless
+    draft one probe in 128 tokens (about 3 plain steps on stories260K: 2-4%), but left good
+    drafts unused: on the built-in pair at batch 1 two probes that happened to meet the
+    draft model's rare misses (7 in 64 positions on one prompt) left three of six code
+    prompts plain for the whole generation (geometric mean 1.20x against 1.35x with x2,
+    gamma 4 1.43x). Any accepted draft in any row used to count as promising: in a large
+    batch some row always accepts something.
+  admit: research hook replacing the row rules: admit(AdmitInputs) -> [B] admitted lengths.
+    It must obey the lossless condition (tests use it for a deliberately leaky rule).
+  lookahead: the width scheduler's scan values lengths past each position with past rounds'
+    estimates (schedule_length); False: it compares neighbours only, DSpark's scan.
+  horizon: the plan values a draft length by the expected time to finish the batch
+    (the slowest row: planned_drafts, finishing_rounds); False: by tokens per second summed
+    over the rows, which overvalues drafting in large batches, whose rows finish rounds
+    apart.
+  """
+  confidence: float = 0.05
+  survival: float = 0.1
+  schedule: bool = True
+  initial_gamma: int = 4
+  prior: float = 0.7
+  learning_rate: float = 0.3
+  forget: float = 0.05
+  probe_every: int = 8
+  probe_growth: int = 2
+  admit: Callable | None = None
+  lookahead: bool = True
+  horizon: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveConfig:
+  """gamma="auto" with its settings. target_costs: seconds of one target pass at each width
+  (same order as widths); draft_cost: seconds of one `propose` of gamma_max drafts;
+  first_draft_cost: of one `propose` told to stop after its first draft (max_drafts 1).
+  Drafting m drafts is charged by the line through the two (a draft model's steps grow with
+  m; a block drafter or lookup costs the same at any m). None: `speculate` measures them
+  once (measure_costs), prepare_program uses default_costs; first_draft_cost alone None: half
+  of draft_cost."""
+  gamma_max: int | None = None  # None: DEFAULT_GAMMA_MAX, or the drafter's max_gamma if less
+  widths: tuple[int, ...] | None = None
+  target_costs: tuple[float, ...] | None = None
+  draft_cost: float | None = None
+  first_draft_cost: float | None = None
+  rules: AdaptiveRules = AdaptiveRules()
+  # a tree drafter's node count (set by configure: widths are then a plain step, 1, and node
+  # budgets up to tree_nodes, tree_widths; gamma_max is the tree's depth)
+  tree_nodes: int | None = None
+  # A plain stretch that runs to the end of the generation leaves the drafter's state behind:
+  # nothing drafts again, and its catch-ups cost 5-7% of a 64-row run on the built-in pair.
+  # True keeps it caught up, for callers that read the final drafter state (speculate's
+  # return_state sets it: keeping_draft_state).
+  final_draft_state: bool = False
+
+  def resolved(self) -> "AdaptiveConfig":
+    """Validated, with defaults filled in (raises ValueError with the reason)."""
+    g = DEFAULT_GAMMA_MAX if self.gamma_max is None else self.gamma_max
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
+      raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
+    if self.tree_nodes is not None:
+      n = int(self.tree_nodes)
+      widths = tree_widths(n) if self.widths is None else tuple(int(w) for w in self.widths)
+      if list(widths) != sorted(set(widths)) or widths[0] != 1 or widths[-1] != n:
+        raise ValueError(f"a tree round verifies the tree cut to its first w nodes, or runs a "
+                         f"plain step (w = 1): widths must be increasing, start at 1 and end "
+                         f"at the tree's {n} nodes, got {widths}")
+    else:
+      widths = default_widths(int(g)) if self.widths is None else tuple(int(w) for w in self.widths)
+      if list(widths) != sorted(set(widths)) or widths[0] != 1 or widths[-1] != g + 1:
+        raise ValueError(f"widths must be increasing, start at 1 and end at gamma_max + 1 = "
+                         f"{g + 1}, got {widths}")
+    if self.target_costs is not None:
+      check_costs(widths, self.target_costs, 0.0 if self.draft_cost is None else self.draft_cost)
+    elif self.draft_cost is not None:
+      check_costs(widths, default_costs(widths), self.draft_cost)
+    if self.first_draft_cost is not None:
+      check_costs(widths, default_costs(widths), self.first_draft_cost)
+    r = self.rules
+    if (not 1 <= r.initial_gamma or r.probe_every < 1 or not 0 < r.learning_rate <= 1
+        or not 0 <= r.forget <= 1
+        or not isinstance(r.probe_growth, (int, np.integer)) or r.probe_growth < 1):
+      raise ValueError(f"bad adaptive rules: {r}")
+    costs = None if self.target_costs is None else tuple(float(c) for c in self.target_costs)
+    return dataclasses.replace(self, gamma_max=int(g), widths=widths, target_costs=costs)
+
+  def target_cost_table(self) -> tuple[float, ...]:
+    """Target costs per width: the supplied or measured ones, else defaults."""
+    return default_costs(self.widths) if self.target_costs is None else self.target_costs
+
+  @functools.cached_property
+  def cost_table(self) -> "CostTable":
+    """The table a chain round plans from (host-side, static; derived once per config)."""
+    target_W = np.asarray(self.target_cost_table(), np.float32)
+    return CostTable(target_W, cost_of_lengths(self.widths, target_W),
+                     drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost))
+
+
+class CostTable(NamedTuple):
+  """A chain round's costs, in seconds (numpy, static: part of the compiled program)."""
+  target_W: np.ndarray  # [W] a target pass at each compiled width (widths[0] == 1: a step)
+  verify_G1: np.ndarray  # [G + 1] the pass that verifies k = 0..G drafts (cost_of_lengths)
+  drafting_G: np.ndarray  # [G] a propose that makes m = 1..G drafts (drafting_costs)
+
+  @property
+  def plain(self) -> float:
+    return float(self.verify_G1[0])
+
+  @property
+  def rounds_G(self) -> np.ndarray:
+    """[G] a drafted round of m = 1..G drafts: drafting them and verifying them."""
+    return self.verify_G1[1:] + self.drafting_G
+
+
+def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> np.ndarray:
+  """[gamma_max] float32: the cost of a propose that makes m = 1..gamma_max drafts, on the
+  line from `first` (m = 1) to `full` (m = gamma_max). first None: half of full (as if half
+  of a call were fixed); first above full (timing noise of a drafter whose cost does not
+  grow with m): full; gamma_max 1: full."""
+  full = float(full or 0.0)
+  if gamma_max == 1:
+    return np.array([full], np.float32)
+  first = 0.5 * full if first is None else min(float(first), full)
+  m_G = np.arange(1, gamma_max + 1, dtype=np.float32)
+  return (first + (full - first) * (m_G - 1) / (gamma_max - 1)).astype(np.float32)
+
+
+def check_costs(widths, target_costs, draft_cost) -> None:
+  """The cost table: one positive, finite time per width, and a finite draft cost >= 0."""
+  if target_costs is None or len(target_costs) != len(widths):
+    raise ValueError(f"the cost table needs one target time per width {tuple(widths)}, got "
+                     f"{target_costs}")
+  for w, c in zip(widths, target_costs):
+    if not isinstance(c, (int, float, np.floating)) or not math.isfinite(c) or c <= 0:
+      raise ValueError(f"the cost of width {w} must be a positive finite time, got {c!r}")
+  if not math.isfinite(draft_cost) or draft_cost < 0:
+    raise ValueError(f"the draft cost must be a finite time >= 0, got {draft_cost!r}")
+
+
+def as_config(gamma, drafter=None) -> AdaptiveConfig | None:
+  """gamma="auto" -> the default config; an AdaptiveConfig -> itself; an int -> None. A
+  config without gamma_max gets DEFAULT_GAMMA_MAX capped at what the drafter can draft
+  (Drafter.max_gamma: MTP's modules, Medusa's heads, a block's slots); an explicit gamma_max
+  the drafter cannot hold is its check's error."""
+  if isinstance(gamma, str):
+    if gamma != "auto":
+      raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+    gamma = AdaptiveConfig()
+  if not isinstance(gamma, AdaptiveConfig):
+    return None
+  limit = None if drafter is None else drafter.max_gamma
+  if gamma.gamma_max is None and limit is not None:
+    gamma = dataclasses.replace(gamma, gamma_max=min(DEFAULT_GAMMA_MAX, int(limit)))
+  return gamma
+
+
+def cost_of_lengths(widths, costs) -> np.ndarray:
+  """[G + 1]: the cost of verifying k drafts, k = 0..G (the smallest width >= k + 1)."""
+  return np.array([costs[next(j for j, w in enumerate(widths) if w >= k + 1)]
+                   for k in range(widths[-1])], np.float32)

@@ -1,0 +1,255 @@
+"""What a round decides, from past rounds and the cost table: each row's admitted length, the
+drafts planned, the verification width, the probes and the tree's node budget.
+
+Every function here reads only what exists before the drafts it governs are drawn (the
+package docstring's lossless condition)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from spec_jax.adaptive.config import AdaptiveRules
+from spec_jax.core.sampling import sample
+
+# plain_steps' stretch length when no probe is left: until every row is done
+_TO_THE_END = np.iinfo(np.int32).max
+
+
+class RoundPlan(NamedTuple):
+  """What a round decides before anything is drawn (AdaptiveRound.plan)."""
+  can_probe: bool  # static: some drafted round could beat a plain step (the table alone)
+  last_probe: float  # the probe window: fewest tokens left for a probe (probe_window)
+  probe: jax.Array  # [] bool: draft whatever the estimates say (probe_due)
+  drafts: jax.Array  # [] bool: this round drafts (planned, or a probe)
+  size: jax.Array  # [] int32: chains: the drafts planned; trees: the node budget's index
+
+
+@struct.dataclass
+class AdmitInputs:
+  """What a row rule may read (all known before each position's draft is drawn, except
+  draft_prob_BG[:, i], the token's own probability, which only positions > i may use)."""
+  draft_prob_BG: jax.Array  # q_i(x_i); 1 for deterministic drafters
+  top_prob_BG: jax.Array  # max q_i; 1 for deterministic drafters
+  survival_BG: jax.Array  # running product of acceptance estimates
+  gamma_B: jax.Array  # the schedule's length
+  # the drafts themselves: a rule must not let position i depend on tokens_BG[:, i:]
+  tokens_BG: jax.Array | None = None
+
+
+def _leading(ok_BG):
+  return jnp.sum(jnp.cumprod(ok_BG.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def row_rule(rules: AdaptiveRules, x: AdmitInputs) -> jax.Array:
+  """[B] admitted lengths: the longest prefix that every rule admits (a stopping time)."""
+  gamma = x.draft_prob_BG.shape[1]
+  ok_BG = x.survival_BG >= rules.survival
+  ok_BG &= x.top_prob_BG >= rules.confidence
+  # position i follows drafts 1..i-1: stop after a token whose own probability is low
+  low_BG = x.draft_prob_BG < rules.confidence
+  ok_BG &= jnp.concatenate([jnp.ones_like(low_BG[:, :1]), ~low_BG[:, :-1]], axis=1)
+  if rules.schedule:
+    ok_BG &= jnp.arange(gamma)[None, :] < x.gamma_B[:, None]
+  return _leading(ok_BG)
+
+
+def width_index(widths, k_B):
+  """Index of the smallest width holding k drafts."""
+  return jnp.searchsorted(jnp.asarray(widths, jnp.int32), k_B + 1, side="left").astype(jnp.int32)
+
+
+def schedule_length(survival_BG, admitted_B, active_B, cost_G1, estimate_BG=None,
+                    limit_B=None) -> jax.Array:
+  """[] drafts to verify this round: DSpark's scan with its early break, looking ahead.
+
+  Expected tokens with k drafts: one per active row plus the survival of every admitted
+  position <= k. The scan takes position k while some length m >= k is worth more tokens per
+  second than stopping before k: positions up to k valued by their survivals, positions
+  past k by projecting row b's survival at k with its past rounds' estimates
+  (estimate_BG[b, k+1..m], capped at 1, up to limit_B[b], a length known before drafting).
+  The first position that fails stops the scan. So whether position k is verified reads
+  survivals up to k and past rounds only, never a later position's (which depends on x_k).
+  The look-ahead matters where the cost table steps: on the built-in pair a 3-token pass
+  cost 1.45x a 2-token one but a 5-token pass only 1.1x a 3-token one, and a scan that
+  compared neighbours only stopped at one draft in every round (accepting 1 of 1) where a
+  fixed gamma of 4-6 gained; the estimates past the first position then never moved from
+  the prior. Without estimate_BG: neighbours only, DSpark's scan as published.
+  """
+  gamma = survival_BG.shape[1]
+  j_G = jnp.arange(gamma)
+  live_BG = (j_G[None, :] < admitted_B[:, None]) & active_B[:, None]
+  gain_G = jnp.sum(jnp.where(live_BG, survival_BG, 0.0), axis=0)
+  tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
+      [jnp.zeros(1), jnp.cumsum(gain_G)])
+  # best_G[k]: the best rate over lengths m >= k + 1 reachable from position k (0-based)
+  best_G = tokens_G1[1:] / cost_G1[1:]
+  if estimate_BG is not None:
+    limit_B = jnp.full_like(admitted_B, gamma) if limit_B is None else limit_B
+    est_BG = jnp.minimum(estimate_BG, 1.0)
+    best = []
+    for k in range(gamma):  # static and small (gamma_max)
+      # row b's projected survivals at k+1..gamma-1, from its survival at k (live rows)
+      proj_BJ = survival_BG[:, k:k + 1] * jnp.cumprod(est_BG[:, k + 1:], axis=1)
+      proj_BJ = jnp.where(live_BG[:, k:k + 1] & (j_G[None, k + 1:] < limit_B[:, None]),
+                          proj_BJ, 0.0)
+      tokens_J = tokens_G1[k + 1] + jnp.cumsum(jnp.sum(proj_BJ, axis=0))
+      best.append(jnp.max(jnp.concatenate([best_G[k:k + 1], tokens_J / cost_G1[k + 2:]])))
+    best_G = jnp.stack(best)
+  keep_G = best_G >= tokens_G1[:-1] / cost_G1[:-1]
+  return jnp.minimum(_leading(keep_G[None])[0], jnp.max(jnp.where(active_B, admitted_B, 0)))
+
+
+def drafting_can_pay(cost_G1, draft_cost_G) -> bool:
+  """Host-side, from the cost table: whether some draft length m beats a plain step's tokens
+  per second when every draft is accepted ((1 + m) tokens for the pass and the drafting)."""
+  m_G = np.arange(1, len(draft_cost_G) + 1)
+  return bool(np.any((1 + m_G) / (cost_G1[1:] + draft_cost_G) > 1 / cost_G1[0]))
+
+
+def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules,
+                   probe=False, remaining_B=None) -> jax.Array:
+  """[] int32, from past rounds only: how many drafts to make this round, 0 for none.
+
+  The length m that maximises expected tokens per second under the current estimates
+  (survival = product of the rows' estimates, within their schedules), charging the target
+  pass at m drafts plus drafting m (draft_cost_G[m - 1], from the cost table's two measured
+  points: see AdaptiveConfig). Charging one cost per call whatever m made a draft model plan
+  too few drafts, or none, where a fixed gamma gained (the built-in pair); charging the whole
+  gamma_max cost at every m made the int8 target draft 8 to verify 2. 0 when no length beats
+  a plain step. Decided before anything is drawn, it is a lossless stopping point for every
+  row. A probe (traced bool) drafts the best length even when it does not beat a plain step:
+  a probe of one draft only tests the first position, and two rejected ones in a row (the
+  first tokens after a prompt are often the hardest) left the built-in pair plain for the
+  rest of a generation whose draft model gains 1.4x at gamma 6.
+
+  remaining_B [B]: the tokens each row's budget has left. A row keeps at most
+  remaining - 1 drafts (the target adds one), so none past that are counted; and with
+  `rules.horizon` a length is valued by the time to finish the batch at that length
+  (`finishing_rounds`), not by tokens summed over rows: a batch runs until its slowest row
+  is done, and rows that accept different numbers of drafts finish rounds apart. None: no
+  budget known (tokens per second summed over rows)."""
+  gamma = prior_BG.shape[1]
+  j_G = jnp.arange(gamma)[None, :]
+  survival_BG = jnp.cumprod(prior_BG, axis=1)
+  ok_BG = survival_BG >= rules.survival
+  if rules.schedule:
+    ok_BG &= j_G < gamma_B[:, None]
+  if remaining_B is not None:
+    ok_BG &= j_G < remaining_B[:, None] - 1
+  ok_BG = jnp.cumprod(ok_BG.astype(jnp.int32), axis=1).astype(bool) & active_B[:, None]
+  survival_BG = jnp.where(ok_BG, survival_BG, 0.0)
+  round_cost_G = cost_G1[1:] + jnp.asarray(draft_cost_G)
+  if remaining_B is not None and rules.horizon:
+    remaining_B = jnp.where(active_B, remaining_B, 0).astype(jnp.float32)
+    time_G = finishing_rounds(survival_BG, remaining_B, active_B) * round_cost_G
+    best = jnp.argmin(time_G).astype(jnp.int32) + 1
+    pays = time_G[best - 1] < jnp.max(remaining_B) * cost_G1[0]
+  else:
+    tokens_G1 = jnp.sum(active_B).astype(jnp.float32) + jnp.concatenate(
+        [jnp.zeros(1), jnp.cumsum(jnp.sum(survival_BG, axis=0))])
+    rate_G = tokens_G1[1:] / round_cost_G
+    best = jnp.argmax(rate_G).astype(jnp.int32) + 1
+    pays = rate_G[best - 1] > tokens_G1[0] / cost_G1[0]
+  return jnp.where(probe | pays, best, 0)
+
+
+# grid points for the expected maximum of the rows' finishing rounds (finishing_rounds)
+_MAX_GRID = 41
+
+
+def finishing_rounds(survival_BG, remaining_B, active_B) -> jax.Array:
+  """[G] expected rounds until every active row has its remaining_B tokens, if every round
+  drafts m = 1..G (survival_BG[b, i]: P(row b accepts drafts 1..i + 1), 0 where not drafted).
+
+  A row's tokens per round T (1 + the accepted drafts) has mean mu = 1 + sum_i S_i and
+  E[T^2] = 1 + sum_i (2i + 3) S_i (0-based i). By renewal theory the rounds it needs to make
+  r tokens are about normal, with mean (r + (E[T^2] - mu) / (2 mu)) / mu (the last round
+  overshoots) and variance r var(T) / mu^3. The batch runs until its last row is done: the
+  expected maximum of the rows' rounds (rows independent), integrated on a grid over its
+  distribution. At one row that is the row's own mean, so the plan is tokens per second; at
+  64 rows with equal budgets the tail adds about 2.3 standard deviations (on the built-in
+  pair, gamma 2 needed 58 rounds for 128 tokens at 2.53 tokens a row and round: 13% of its
+  row-rounds were rows already done). tests/test_adaptive.py checks it against simulation."""
+  i_G = jnp.arange(survival_BG.shape[1], dtype=jnp.float32)
+  mean_BG = 1.0 + jnp.cumsum(survival_BG, axis=1)
+  second_BG = 1.0 + jnp.cumsum((2.0 * i_G + 3.0) * survival_BG, axis=1)
+  var_BG = jnp.maximum(second_BG - mean_BG ** 2, 0.0)
+  r_B1 = remaining_B[:, None]
+  n_BG = (r_B1 + (second_BG - mean_BG) / (2.0 * mean_BG)) / mean_BG
+  sd_BG = jnp.sqrt(r_B1 * var_BG / mean_BG ** 3)
+  a_B1 = active_B[:, None]
+  # E[max] = x0 + integral of P(max > x) above x0 - integral of P(max <= x) below it; the
+  # grid spans 4 standard deviations below the largest mean to 6 above
+  top_G = jnp.max(jnp.where(a_B1, n_BG, 0.0), axis=0)
+  sd_G = jnp.max(jnp.where(a_B1, sd_BG, 0.0), axis=0) + 1e-6
+  x_JG = top_G + jnp.linspace(-4.0, 6.0, _MAX_GRID)[:, None] * sd_G
+  z_BJG = (x_JG[None] - n_BG[:, None, :]) / jnp.maximum(sd_BG, 1e-6)[:, None, :]
+  cdf_JG = jnp.exp(jnp.sum(jnp.where(a_B1[:, :, None], jax.scipy.special.log_ndtr(z_BJG), 0.0),
+                           axis=0))  # P(max <= x)
+  trapezoid = lambda f_JG: (jnp.sum(f_JG, axis=0) - 0.5 * (f_JG[0] + f_JG[-1])) * (
+      x_JG[1] - x_JG[0])
+  x0_G = x_JG[0]
+  return jnp.where(jnp.any(active_B), x0_G + trapezoid(1.0 - cdf_JG), 0.0)
+
+
+def probe_window(rules, plain_cost, dearest_round_cost) -> float:
+  """Host-side: the fewest tokens a batch must still have to make, for a probe to run: the
+  remaining budget's plain steps must take probe_every times the dearest drafted round."""
+  return float(rules.probe_every * dearest_round_cost / plain_cost)
+
+
+def probe_due(stats, remaining_B, last_probe, can_probe) -> jax.Array:
+  """[] bool: draft this round whatever the plan says (AdaptiveRules.probe_every)."""
+  return ((stats.idle_rounds >= stats.probe_interval) & can_probe
+          & (jnp.max(remaining_B) >= last_probe))
+
+
+def steps_to_probe(stats, remaining_B, last_probe, can_probe) -> jax.Array:
+  """[] int32: the plain steps after which probe_due holds (each step counts as an idle
+  round and takes a token from every row), or _TO_THE_END when it never will in this run."""
+  wait = jnp.maximum(stats.probe_interval - stats.idle_rounds, 1)
+  return jnp.where(can_probe & (jnp.max(remaining_B) - wait >= last_probe), wait, _TO_THE_END)
+
+
+def probe_was_promising(remaining_before_B, remaining_after_B, active_B, plain_cost,
+                        extra_cost) -> jax.Array:
+  """[] bool: a drafted round moved the batch's finish (the largest remaining budget of the
+  rows active before it), beyond the one token a plain step gives, by at least half of what
+  plain steps would in its extra_cost (its cost over a plain step's, with any catch-up)."""
+  last = lambda r_B: jnp.max(jnp.where(active_B, r_B, 0))
+  return 2 * (last(remaining_before_B) - last(remaining_after_B) - 1) * plain_cost >= extra_cost
+
+
+def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key,
+                    admitted_B):
+  """Verifies each row as if its block held only its first admitted_B drafts.
+
+  Any chain verifier: below the admitted length its result is the truncated block's (the
+  first rejection and its residual depend only on earlier positions). A row that accepted
+  all its admitted drafts takes the bonus from the target at position admitted_B, drawn
+  with fresh randomness, exactly as if the block had ended there.
+  """
+  verify_key, bonus_key = jax.random.split(key)
+  num_accepted_B, next_B = verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling,
+                                    verify_key)
+  at_end_BV = jnp.take_along_axis(logits_BG1V, admitted_B[:, None, None], axis=1)[:, 0]
+  full_B = num_accepted_B >= admitted_B
+  next_B = jnp.where(full_B, sample(bonus_key, at_end_BV, sampling), next_B)
+  return jnp.minimum(num_accepted_B, admitted_B), next_B
+
+
+def choose_tree_budget(node_estimate_BZ, active_B, budgets, cost_W):
+  """From past rounds only: (index into budgets of the best cut, whether it beats a plain
+  step), by expected tokens per second. cost_W [W]: a plain step's cost, then each budget's
+  (target pass + drafting)."""
+  rows = jnp.sum(active_B).astype(jnp.float32)
+  cum_Z = jnp.cumsum(jnp.sum(jnp.where(active_B[:, None], node_estimate_BZ, 0.0), axis=0))
+  tokens_K = rows + cum_Z[jnp.asarray(budgets) - 2]  # the first k - 1 drafted nodes
+  rate_K = tokens_K / cost_W[1:]
+  best = jnp.argmax(rate_K).astype(jnp.int32)
+  return best, rate_K[best] > rows / cost_W[0]

@@ -1,0 +1,84 @@
+"""Programs that run adaptive rounds: a SpeculativeProgram configured with an AdaptiveConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from spec_jax.adaptive.config import AdaptiveConfig
+from spec_jax.adaptive.rounds import AdaptiveRound, AdaptiveTreeRound
+from spec_jax.core.control import cond_in_place, zeros_like_outputs
+from spec_jax.metrics import AdaptiveStats
+
+
+def _adaptive_program_class():
+  from spec_jax.speculative import SpeculativeProgram
+
+  @dataclasses.dataclass(frozen=True)
+  class AdaptiveProgram(SpeculativeProgram):
+    """A SpeculativeProgram whose rounds are AdaptiveRound (gamma = config.gamma_max) or, for
+    a tree drafter, AdaptiveTreeRound (gamma = the tree's depth); the loop's carry holds the
+    adaptive state in metrics.adaptive."""
+    adaptive: AdaptiveConfig | None = None
+
+    def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key):
+      state = super().init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
+      stats = self.initial_stats(tokens_BP.shape[0])
+      return state.replace(metrics=state.metrics.replace(adaptive=stats))
+
+    def initial_stats(self, batch: int) -> AdaptiveStats:
+      r = self.adaptive.rules
+      return AdaptiveStats.zeros(batch, self.gamma, self.adaptive.widths, r.initial_gamma,
+                                 r.prior, r.probe_every, self.adaptive.tree_nodes)
+
+    def init_drafter(self, draft_params, prompt, remaining_tokens_B):
+      """A drafter that skips rounds is not read in a plain stretch to the end; where the
+      first round will be one (the plan drafts nothing and no probe can come: a useless
+      draft, or a budget too short to repay one), its prefill is skipped too, and its state
+      left zero: a 12-of-30-layer skip of SmolLM2 otherwise spent ~10% of a 32-token answer
+      prefilling a draft cache nothing read."""
+      init = functools.partial(self.drafter.init, draft_params)
+      if (self.drafter.is_tree or not self.drafter.skips_rounds
+          or self.adaptive.final_draft_state):
+        return init(prompt)
+      stats = self.initial_stats(prompt.tokens_BP.shape[0])
+      never = self.round_fn.never_drafts(stats, remaining_tokens_B)
+      return cond_in_place(never, lambda state: state, lambda _: init(prompt),
+                           zeros_like_outputs(init, prompt))
+
+  return AdaptiveProgram
+
+
+@functools.cache
+def adaptive_program_class():
+  return _adaptive_program_class()
+
+
+def configure(program, config: AdaptiveConfig):
+  """A program running adaptive rounds: a chain program prepared with gamma =
+  config.gamma_max, or a tree program (its rounds then verify the tree cut to a node budget,
+  or run plain steps: AdaptiveTreeRound)."""
+  drafter = program.drafter
+  if drafter.is_tree:
+    config = dataclasses.replace(config, gamma_max=drafter.max_depth,
+                                 tree_nodes=drafter.num_nodes).resolved()
+    round_fn = AdaptiveTreeRound(config)
+  else:  # (a config taken from a tree program drops its node budget)
+    config = dataclasses.replace(config, tree_nodes=None).resolved()
+    round_fn = AdaptiveRound(config)
+  if program.gamma != config.gamma_max:
+    raise ValueError(f"the program drafts {program.gamma}, the config's gamma_max is "
+                     f"{config.gamma_max}")
+  fields = {f.name: getattr(program, f.name) for f in dataclasses.fields(program)
+            if f.name != "adaptive"}
+  fields["round_fn"] = round_fn
+  return adaptive_program_class()(**fields, adaptive=config)
+
+
+def keeping_draft_state(program):
+  """The program with AdaptiveConfig.final_draft_state on, for callers that read the final
+  drafter state; a program that does not run adaptive rounds, unchanged."""
+  cfg = getattr(program, "adaptive", None)
+  if cfg is None or cfg.final_draft_state:
+    return program
+  return configure(program, dataclasses.replace(cfg, final_draft_state=True))

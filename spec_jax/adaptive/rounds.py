@@ -1,0 +1,420 @@
+"""The adaptive round functions: a chain round (AdaptiveRound) and a tree round
+(AdaptiveTreeRound), each planning, then drafting and verifying at the chosen width or
+running plain steps until the next probe; one jit, fixed shapes, every decision data."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.adaptive.config import AdaptiveConfig
+from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, choose_tree_budget,
+                                        drafting_can_pay, planned_drafts, probe_due,
+                                        probe_was_promising, probe_window, row_rule,
+                                        schedule_length, steps_to_probe, verify_admitted,
+                                        width_index)
+from spec_jax.core.control import cond_in_place, switch_in_place
+from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
+                                    split_unless_greedy)
+from spec_jax.drafters.base import Drafter
+from spec_jax.generate import decode_token, finite_prefix, remaining_tokens
+from spec_jax.metrics import AdaptiveStats
+
+# The catch-up passes compiled for a drafter that skips rounds: after at most the last
+# (widest) many plain steps it catches up, in one pass over that many tokens (+1), through
+# the narrowest width that covers the steps. Stretches run to the next probe (8, 16, 32, ...
+# steps): a window of 8 cost a useless 1-layer draft of stories260K 15 catch-up passes in 128
+# tokens, where 32 takes 5-6; a stretch of 2 steps between drafted rounds needs a 3-token
+# pass, where a 33-token pass of the built-in draft model costs a few target steps.
+CATCH_UP_WIDTHS = (2, 8, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveRound:
+  """A round_fn (speculative_round's signature) with adaptive lengths and widths."""
+  config: AdaptiveConfig
+  # measure_costs' timing round: every active row verifies exactly the planned drafts,
+  # whatever the rules, the scheduler and the drafter's empty rows said (all still computed)
+  forced: bool = False
+
+  def __call__(self, target, drafter: Drafter, gamma: int, sampling: SamplingConfig, verifier,
+               params, draft_params, lengths_B, budget_B, eos_id, s):
+    cfg, rules = self.config, self.config.rules
+    stats: AdaptiveStats = s.metrics.adaptive
+    table = cfg.cost_table
+    step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
+                             draft_params, lengths_B, budget_B, eos_id)
+    # a row can emit budget - generated more tokens, one of them the target's own: drafts
+    # past that are never kept, so they are worth nothing (known before drafting: lossless)
+    remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
+    useful_B = jnp.maximum(remaining_B - 1, 0)
+    plan = self.plan(stats, remaining_B)
+
+    def drafted_round(s):
+      return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
+                                jnp.asarray(table.verify_G1), plan.probe, plan.size, s,
+                                useful_B=useful_B)
+
+    plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
+                                    verifier, params, draft_params, lengths_B, budget_B, eos_id,
+                                    plan.can_probe, plan.last_probe)
+    drafting = jnp.asarray(table.drafting_G)[jnp.maximum(plan.size, 1) - 1]
+    costs_W = jnp.asarray(table.target_W)
+    return self.drafted_or_plain(
+        s, plan.drafts, plan.probe, drafted_round, plain_steps, schedule=rules.schedule,
+        round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
+        budget_B=budget_B,
+        catch_up_cost=float(table.drafting_G[-1]) if drafter.skips_rounds else 0.0)
+
+  def plan(self, stats: AdaptiveStats, remaining_B) -> RoundPlan:
+    """What a chain round decides before drafting: its size is the drafts planned (0: a
+    plain stretch)."""
+    rules = self.config.rules
+    table = self.config.cost_table
+    # no probes where even drafts that were all accepted could not beat a plain step: the
+    # cost table alone (static) rules drafting out, and probing would only pay for drafts
+    can_probe = drafting_can_pay(table.verify_G1, table.drafting_G)
+    last_probe = probe_window(rules, table.plain, np.max(table.rounds_G))
+    probe = probe_due(stats, remaining_B, last_probe, can_probe)
+    planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
+                             remaining_B > 0, jnp.asarray(table.verify_G1), table.drafting_G,
+                             rules, probe, remaining_B)
+    return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
+
+  def never_drafts(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+    """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
+    planned, no probe due now or later), so no round of this run drafts."""
+    plan = self.plan(stats, remaining_B)
+    return ~plan.drafts & (steps_to_probe(stats, remaining_B, plan.last_probe, plan.can_probe)
+                           == _TO_THE_END)
+
+  def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
+                       round_cost, budget_B, catch_up_cost=0.0):
+    """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
+    (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
+    then the acceptance statistics updated and written back into the metrics.
+    round_cost(width index) -> [] the drafted round's cost, from the table.
+
+    A probe is promising when its drafts advanced the batch's finish (the largest remaining
+    budget of a row), beyond the one token a plain step gives, by at least half of what plain
+    steps would have in the probe's extra time: probing stays frequent while drafting is
+    near paying (on the built-in pair's main job, probes that accepted one draft in four at
+    first kept finding the stretch where lookup accepts everything), and backs off in a
+    large batch, where one drafted round moves the slowest row about one token however many
+    the others accept. A probe also ends a plain stretch, after which a drafter that skips
+    rounds catches up (catch_up_cost, charged as a propose of gamma_max drafts): at 64 rows
+    of the built-in pair, probes of one draft that the slowest row accepted kept coming every
+    8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x."""
+    rules = self.config.rules
+    zeros_B = jnp.zeros_like(s.pending_B)
+    outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
+               jnp.zeros_like(s.done_B))
+    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
+        draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
+    # (a tree round has already updated its node estimates in new's stats)
+    promising = probe_was_promising(
+        budget_B - s.num_generated_B, budget_B - new.num_generated_B, ~s.done_B,
+        round_cost(0), round_cost(w_idx) - round_cost(0) + catch_up_cost)
+    stats = new.metrics.adaptive.update(
+        ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
+        learning_rate=rules.learning_rate, schedule=schedule, probe_every=rules.probe_every,
+        probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
+        empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising)
+    return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+  def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
+                  lengths_B, budget_B, eos_id, can_probe, last_probe, s):
+    """Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
+    table rules drafting out), in an inner loop, so that an undrafted stretch costs what
+    autoregressive decoding does and not a whole round's bookkeeping (two conditionals, the
+    rules) per token, nor one per probe_every tokens (capped there, a useless draft ran at
+    0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a stretch,
+    so ending it earlier would only plan no drafts again. A drafter that can skip rounds
+    catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step.
+    -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B)."""
+    stats: AdaptiveStats = s.metrics.adaptive
+    n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
+                       last_probe, can_probe)
+    zeros_B = jnp.zeros_like(s.pending_B)
+    if drafter.skips_rounds:
+      return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
+                                lengths_B, budget_B, eos_id, n, s)
+
+    def one(c):
+      i, row_rounds, s = c
+      new = self.plain_step(target, drafter, gamma, sampling, verifier, params, draft_params,
+                            lengths_B, budget_B, eos_id, s)
+      return i + 1, row_rounds + jnp.sum(~s.done_B), new
+
+    steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
+                                              one, (jnp.int32(0), jnp.int32(0), s))
+    return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
+
+  def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
+                    budget_B, eos_id, n, s):
+    """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
+    (one target token, no drafter, no round bookkeeping at gamma_max's shapes), the metrics
+    are added once, and the drafter catches up after every CATCH_UP_WIDTHS[-1] steps and at
+    the end (Drafter.catch_up_after, whose window is static), unless the stretch ends the
+    generation (AdaptiveConfig.final_draft_state). -> plain_steps' tuple."""
+    window = CATCH_UP_WIDTHS[-1]
+    from spec_jax.speculative import round_inputs  # (imports this module lazily)
+
+    def one(c):
+      i, active_steps_B, s = c
+      new = self.plain_token(target, drafter, sampling, params, draft_params, lengths_B,
+                             budget_B, eos_id, s)
+      return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
+
+    # a stretch to the end: nothing drafts after it, so its catch-ups are skipped unless the
+    # final drafter state is wanted (AdaptiveConfig.final_draft_state)
+    skip_catch_up = False if self.config.final_draft_state else n == _TO_THE_END
+
+    def chunk(c):  # up to `window` steps, then the drafter's catch-up over them
+      start, active_steps_B, s = c
+      stop = jnp.minimum(start + window, n)
+      i, active_steps_B, s = jax.lax.while_loop(
+          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
+      ctx = round_inputs(s, sampling, eos_id)[0]
+      # the narrowest compiled window that covers the chunk's steps (a short stretch between
+      # drafted rounds must not pay a 33-token pass of a real draft model); 0: none
+      pick = jnp.searchsorted(jnp.asarray(CATCH_UP_WIDTHS, jnp.int32), i - start) + 1
+      catch_up = [functools.partial(drafter.catch_up_after, draft_params, ctx=ctx, rounds=w,
+                                    gamma=gamma) for w in CATCH_UP_WIDTHS]
+      return i, active_steps_B, s.replace(draft_state=switch_in_place(
+          jnp.where(skip_catch_up, 0, pick), [lambda state: state] + catch_up, s.draft_state))
+
+    zeros_B = jnp.zeros_like(s.pending_B)
+    steps, active_steps_B, new = jax.lax.while_loop(
+        lambda c: (c[0] < n) & jnp.any(~c[2].done_B), chunk, (jnp.int32(0), zeros_B, s))
+    new = new.replace(metrics=new.metrics.after_plain_steps(
+        steps, active_steps_B, new.num_generated_B - s.num_generated_B))
+    return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
+            jnp.zeros_like(s.done_B))
+
+  @staticmethod
+  def plain_step(target, drafter, gamma, sampling, verifier, params, draft_params, lengths_B,
+                 budget_B, eos_id, s):
+    """One plain step as the loops run it -> the new state: generate's loop body for a
+    drafter that skips rounds (plain_token; its catch-up comes once per stretch), else a
+    width-1 step in which the drafter catches up itself."""
+    if drafter.skips_rounds:
+      return AdaptiveRound.plain_token(target, drafter, sampling, params, draft_params,
+                                       lengths_B, budget_B, eos_id, s)
+    return AdaptiveRound.step(target, drafter, gamma, sampling, verifier, params, draft_params,
+                              lengths_B, budget_B, eos_id, s, 1, jnp.zeros_like(s.pending_B),
+                              None, None, draft_state=None)[0]
+
+  @staticmethod
+  def plain_token(target, drafter, sampling, params, draft_params, lengths_B, budget_B, eos_id,
+                  s):
+    """One plain step of a stretch for a drafter that skips rounds: generate's loop body (one
+    target token, no drafter, no round bookkeeping at gamma_max's shapes) -> the new state
+    (its metrics untouched: plain_stretch adds them once)."""
+    # the key outlives the stretch, so a greedy step's split would not be dropped as dead
+    key, step_key = split_unless_greedy(s.key, 2, sampling)
+    (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts,
+     hidden_BD) = decode_token(
+        target, params, sampling, lengths_B, budget_B, eos_id, step_key, s.seq_BS, s.pending_B,
+        s.num_generated_B, s.done_B, s.cache, s.counts)
+    # drafters that read the target's hidden states keep the pending token's (rows that fed
+    # it: those that emitted); dead code for the others
+    draft_state = drafter.record_plain_step(draft_params, s.draft_state, hidden_BD,
+                                            s.cache.length_B, count_B > 0)
+    # the pending token's position, as commit_round keeps it: a row that emitted moves on
+    cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
+    return s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,
+                     done_B=done_B, cache=cache, key=key, failed_B=s.failed_B | bad_B,
+                     counts=counts, draft_state=draft_state)
+
+  def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
+                    cost_G1, probe, planned, s, useful_B=None):
+    """Drafts up to `planned`, admits a prefix per row (at most useful_B: drafts its budget
+    could keep), verifies at the width the scheduler picks."""
+    cfg, rules = self.config, self.config.rules
+    stats: AdaptiveStats = s.metrics.adaptive
+    from spec_jax.speculative import round_inputs  # speculative.py imports this module lazily
+    active_B = ~s.done_B
+    ctx, _, draft_key, _ = round_inputs(s, sampling, eos_id, verifier)
+    if rules.admit is None:
+      # nothing past the planned length is admitted: drafters may stop there (a draft
+      # model's sequential steps are most of a round's drafting cost)
+      ctx = ctx.replace(max_drafts=planned)
+    drafts_BG, probs_BGV, draft_state = drafter.propose(draft_params, s.draft_state, ctx, gamma,
+                                                        sampling, draft_key)
+    if probs_BGV is None:
+      q_BG = top_BG = jnp.ones(drafts_BG.shape, jnp.float32)
+    else:
+      q_BG = jnp.take_along_axis(probs_BGV, drafts_BG[..., None], axis=-1)[..., 0]
+      top_BG = jnp.max(probs_BGV, axis=-1)
+    conf_BG = drafter.acceptance_estimates(draft_state)  # may be wider than gamma
+    conf_BG = top_BG if conf_BG is None else conf_BG[:, :gamma].astype(jnp.float32)
+    survival_BG = jnp.cumprod(jnp.minimum(conf_BG, stats.estimate_BG), axis=1)
+    inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)
+    admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)
+    admitted_B = jnp.where(probe, jnp.maximum(admitted_B, 1), admitted_B)
+    empty_B = drafter.empty_rows(draft_state)
+    if empty_B is not None:
+      admitted_B = jnp.where(empty_B, 0, admitted_B)
+    admitted_B = jnp.where(active_B, admitted_B, 0)
+    if rules.admit is None:
+      admitted_B = jnp.minimum(admitted_B, planned)
+    if useful_B is not None:
+      admitted_B = jnp.minimum(admitted_B, useful_B)
+    # past-only caps on each row's length, for the scan's look-ahead
+    limit_B = jnp.full_like(admitted_B, gamma)
+    if useful_B is not None:
+      limit_B = jnp.minimum(limit_B, useful_B)
+    if rules.admit is None:
+      limit_B = jnp.minimum(limit_B, planned)
+    if rules.schedule:
+      limit_B = jnp.minimum(limit_B, stats.gamma_B)
+    k = schedule_length(survival_BG, admitted_B, active_B, cost_G1,
+                        stats.estimate_BG if rules.lookahead else None, limit_B)
+    k = jnp.where(probe, jnp.max(admitted_B), k)
+    admitted_B = jnp.minimum(admitted_B, k)
+    if self.forced:  # (still a function of the rules' lengths: their cost is timed too)
+      admitted_B = jnp.where(active_B, jnp.maximum(jnp.minimum(admitted_B, planned), planned), 0)
+    # propose's state rides in the carry, so the branches commit it in place (closed over,
+    # it would be a loop invariant that each branch copies to return)
+    def branch(width):
+      return lambda c: step(c[0], width=width, admitted_B=admitted_B, drafts_BG=drafts_BG,
+                            probs_BGV=probs_BGV, draft_state=c[0].draft_state)
+
+    w_idx = width_index(cfg.widths, jnp.max(admitted_B))  # 0, a plain step, when none
+    new, num_accepted_B = switch_in_place(
+        w_idx, [branch(w) for w in cfg.widths],
+        (s.replace(draft_state=draft_state), jnp.zeros_like(s.pending_B)))
+    empty_B = jnp.zeros_like(active_B) if empty_B is None else empty_B
+    return new, admitted_B, num_accepted_B, w_idx, jnp.int32(1), jnp.int32(0), empty_B
+
+  @staticmethod
+  def step(target, drafter, gamma, sampling, verifier, params, draft_params, lengths_B, budget_B,
+           eos_id, s, width, admitted_B, drafts_BG, probs_BGV, *, draft_state):
+    """One target pass of `width` tokens (the pending one + width - 1 drafts) and the commit.
+    width 1 is a plain step; then, with draft_state None, the drafter catches up itself.
+    -> (new state, num_accepted_B)."""
+    from spec_jax.speculative import commit_round, round_inputs  # (imports this module lazily)
+    ctx, key, draft_key, verify_key = round_inputs(s, sampling, eos_id, verifier)
+    if draft_state is None:
+      draft_state = drafter.catch_up(draft_params, s.draft_state, ctx, gamma, sampling, draft_key)
+      drafts_BG = jnp.zeros((s.pending_B.shape[0], gamma), jnp.int32)
+    block_BW = jnp.concatenate([s.pending_B[:, None], drafts_BG[:, :width - 1]], axis=1)
+    positions_BW = ctx.position_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    logits_BWV, hidden_BWD, cache = target.apply(params, block_BW, positions_BW, s.cache)
+    if width == 1:  # no drafts, nothing to reject
+      logits_BV = process_logits(logits_BWV[:, 0], sampling, ctx.history)
+      num_accepted_B, next_B = jnp.zeros_like(s.pending_B), sample(verify_key, logits_BV, sampling)
+    else:
+      logits_BWV = process_logits(logits_BWV, sampling, None if ctx.history is None
+                                  else ctx.history.along_chain(block_BW))
+      probs = None if probs_BGV is None else probs_BGV[:, :width - 1]
+      num_accepted_B, next_B = verify_admitted(
+          verifier, drafts_BG[:, :width - 1], probs, logits_BWV, sampling, verify_key,
+          jnp.minimum(admitted_B, width - 1))
+    hidden_BG1D = jnp.pad(hidden_BWD, ((0, 0), (0, gamma + 1 - width), (0, 0)))  # never read
+    new = commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
+                       budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
+                       draft_state=draft_state, draft_tokens_BG=drafts_BG,
+                       num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
+                       # rows whose logits were not finite stop there, failed
+                       num_finite_B=finite_prefix(nonfinite_rows(logits_BWV)))
+    return new, num_accepted_B
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveTreeRound(AdaptiveRound):
+  """gamma="auto" for a tree drafter: each round verifies the tree cut to its first k nodes,
+  for k among the widths, or runs plain steps.
+
+  The budget is chosen before anything is drawn, from past rounds only (so it is lossless,
+  as planned_drafts is for chains; first_nodes says why a cut tree is): each row carries
+  P(node i is on the accepted path) for every drafted node (AdaptiveStats.node_estimate_BZ),
+  so a tree cut to k nodes is expected to yield one token per active row plus the sum of
+  its first k - 1 nodes' estimates. That sum is exact for the cut tree, not an
+  approximation: whether node i is accepted depends on its own path and on the siblings
+  tried before it, which all come earlier in the node order and so survive every cut that
+  keeps i. Each budget is charged its target pass plus propose_tree (the whole tree is
+  always drafted); the best rate against a plain step's decides, as for chains. When no
+  budget pays, plain steps run until the next probe, which verifies the whole tree. The
+  chain's row rules (confidence, survival, schedule, admit) do not apply."""
+
+  def __call__(self, target, drafter, gamma, sampling, verifier, params, draft_params,
+               lengths_B, budget_B, eos_id, s):
+    stats: AdaptiveStats = s.metrics.adaptive
+    budgets = self.config.widths[1:]
+    plan = self.plan(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B))
+
+    def tree_round(s):
+      return self.tree_round(target, drafter, gamma, sampling, verifier, params, draft_params,
+                             lengths_B, budget_B, eos_id, budgets, plan.size, s)
+
+    plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
+                                    verifier, params, draft_params, lengths_B, budget_B, eos_id,
+                                    plan.can_probe, plan.last_probe)
+    cost_W = jnp.asarray(self.tree_costs, jnp.float32)
+    return self.drafted_or_plain(s, plan.drafts, plan.probe, tree_round, plain_steps,
+                                 schedule=False, round_cost=lambda w_idx: cost_W[w_idx],
+                                 budget_B=budget_B)
+
+  @functools.cached_property
+  def tree_costs(self) -> np.ndarray:
+    """[W] a plain step's cost, then each node budget's (its target pass + propose_tree);
+    derived once per round function, as the chain's AdaptiveConfig.cost_table."""
+    cost_W = np.asarray(self.config.target_cost_table(), np.float64)
+    cost_W[1:] += float(self.config.draft_cost or 0.0)  # propose_tree, timed once
+    return cost_W
+
+  def plan(self, stats: AdaptiveStats, remaining_B) -> RoundPlan:
+    """What a tree round decides before drafting: its size is the index of the node budget
+    (a probe verifies the whole tree)."""
+    gamma, budgets = self.config.gamma_max, self.config.widths[1:]
+    cost_W = self.tree_costs
+    # static: whether some cut tree whose deepest path were always accepted would beat a
+    # plain step (a cut to k nodes reaches at most depth k - 1)
+    best_case_K = np.array([1 + min(k - 1, gamma) for k in budgets])
+    can_probe = bool(np.any(best_case_K / cost_W[1:] > 1 / cost_W[0]))
+    last_probe = probe_window(self.config.rules, cost_W[0], cost_W[-1])
+    probe = probe_due(stats, remaining_B, last_probe, can_probe)
+    budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, remaining_B > 0, budgets,
+                                              jnp.asarray(cost_W, jnp.float32))
+    return RoundPlan(can_probe, last_probe, probe, tree_now | probe,
+                     jnp.where(probe, len(budgets) - 1, budget_idx))
+
+  def tree_round(self, target, drafter, gamma, sampling, verifier, params, draft_params,
+                 lengths_B, budget_B, eos_id, budgets, budget_idx, s):
+    """propose_tree, then the target pass and verdict over the first budgets[budget_idx]
+    nodes (one compiled branch per budget, all with the accepted path's shapes), then one
+    commit. -> drafted_or_plain's tuple."""
+    from spec_jax.tree_speculative import (commit_tree_round, first_nodes, propose_tree_round,
+                                           verify_tree_round)
+    rules = self.config.rules
+    active_B = ~s.done_B
+    ctx, key, verify_key, tree, draft_state = propose_tree_round(
+        drafter, gamma, sampling, verifier, draft_params, eos_id, s)
+
+    def verify(k):
+      return lambda c: verify_tree_round(target, sampling, verifier, params, ctx,
+                                         first_nodes(tree, k), c[0], verify_key)
+
+    shapes = jax.eval_shape(lambda cache: verify(budgets[-1])((cache,)), s.cache)
+    carry = (s.cache,) + jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1:])
+    verified = switch_in_place(budget_idx, [verify(k) for k in budgets], carry)
+    num_verified = jnp.asarray(budgets, jnp.int32)[budget_idx]
+    # the deepest draft a row's cut tree holds: its verified length
+    reach_B = jnp.max(jnp.where(jnp.arange(tree.num_nodes) < num_verified, tree.depth_BN, 0),
+                      axis=1)
+    new = commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, tree,
+                            draft_state, verified)
+    _, path_BR1, num_accepted_B, *_ = verified
+    stats = new.metrics.adaptive.update_nodes(
+        active_B, num_verified, path_BR1, num_accepted_B,
+        learning_rate=rules.learning_rate, prior=rules.prior, forget=rules.forget)
+    new = new.replace(metrics=new.metrics.replace(adaptive=stats))
+    admitted_B = jnp.where(active_B, reach_B, 0).astype(jnp.int32)
+    return (new, admitted_B, num_accepted_B, budget_idx + 1, jnp.int32(1), jnp.int32(0),
+            jnp.zeros_like(active_B))
