@@ -678,7 +678,8 @@ def test_a_cut_tree_accepts_what_the_whole_tree_accepts_within_the_cut():
 
 def test_tree_budget_maximises_expected_tokens_per_cost():
   """Two rows; node estimates [.9, .1, .8, .1] and [.9, .1, .1, .1]: cuts to 2, 3 and 5
-  nodes yield 2 + 1.8 = 3.8, 4.0 and 5.1 tokens, a plain step 2 at cost 1."""
+  nodes yield 2 + 1.8 = 3.8, 4.0 and 5.1 tokens, a plain step 2 at cost 1; capped by the
+  rows' remaining budgets."""
   from spec_jax.adaptive import choose_tree_budget
   est_BZ = jnp.asarray([[.9, .1, .8, .1], [.9, .1, .1, .1]], jnp.float32)
   active_B = jnp.asarray([True, True])
@@ -691,6 +692,15 @@ def test_tree_budget_maximises_expected_tokens_per_cost():
   best, pays = choose_tree_budget(est_BZ, jnp.asarray([True, False]), (2, 3, 5),
                                   jnp.asarray([1.0, 1.5, 1.6, 2.0], jnp.float32))
   assert (int(best), bool(pays)) == (2, True)  # 1.9/1.5, 1.9/1.6, 2.9/2.0 vs 1
+  # a row's tokens are capped at what its budget has left: the whole tree pays with budgets
+  # to spare (5.1 / 2.0), not where each row can keep 2 more tokens (2 + 2 = 4.0 / 2.0 < 3.8 /
+  # 1.6), and nothing beats a plain step where each can keep one
+  costs = jnp.asarray([1.0, 1.6, 1.8, 2.0], jnp.float32)
+  capped = lambda remaining: tuple(map(np.asarray, choose_tree_budget(
+      est_BZ, active_B, (2, 3, 5), costs, jnp.asarray(remaining))))
+  assert capped([100, 100]) == (2, True)
+  assert capped([2, 2]) == (0, True)
+  assert capped([1, 1])[1] == False
 
 
 # --- the scheduler's look-ahead, forgetting, probe lengths (host-level, no generation) -----------

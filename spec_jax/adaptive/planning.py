@@ -243,13 +243,20 @@ def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sam
   return jnp.minimum(num_accepted_B, admitted_B), next_B
 
 
-def choose_tree_budget(node_estimate_BZ, active_B, budgets, cost_W):
+def choose_tree_budget(node_estimate_BZ, active_B, budgets, cost_W, remaining_B=None):
   """From past rounds only: (index into budgets of the best cut, whether it beats a plain
   step), by expected tokens per second. cost_W [W]: a plain step's cost, then each budget's
-  (target pass + drafting)."""
+  (target pass + drafting). remaining_B [B]: the tokens each row's budget has left; a row's
+  expected tokens from a round are capped there (known before drafting, so lossless, as
+  planned_drafts' cap for chains): near the end of a generation a deep tree is worth no more
+  than the tokens its rows can still keep. None: no cap."""
+  active_B1 = active_B[:, None]
+  cum_BZ = jnp.cumsum(jnp.where(active_B1, node_estimate_BZ, 0.0), axis=1)
+  tokens_BK = 1.0 + cum_BZ[:, jnp.asarray(budgets) - 2]  # the first k - 1 drafted nodes
+  if remaining_B is not None:
+    tokens_BK = jnp.minimum(tokens_BK, jnp.maximum(remaining_B, 1)[:, None].astype(jnp.float32))
   rows = jnp.sum(active_B).astype(jnp.float32)
-  cum_Z = jnp.cumsum(jnp.sum(jnp.where(active_B[:, None], node_estimate_BZ, 0.0), axis=0))
-  tokens_K = rows + cum_Z[jnp.asarray(budgets) - 2]  # the first k - 1 drafted nodes
+  tokens_K = jnp.sum(jnp.where(active_B1, tokens_BK, 0.0), axis=0)
   rate_K = tokens_K / cost_W[1:]
   best = jnp.argmax(rate_K).astype(jnp.int32)
   return best, rate_K[best] > rows / cost_W[0]

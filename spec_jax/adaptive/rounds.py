@@ -335,7 +335,7 @@ class AdaptiveTreeRound(AdaptiveRound):
   as planned_drafts is for chains; first_nodes says why a cut tree is): each row carries
   P(node i is on the accepted path) for every drafted node (AdaptiveStats.node_estimate_BZ),
   so a tree cut to k nodes is expected to yield one token per active row plus the sum of
-  its first k - 1 nodes' estimates. That sum is exact for the cut tree, not an
+  its first k - 1 nodes' estimates (at most what the row's budget has left). That sum is exact for the cut tree, not an
   approximation: whether node i is accepted depends on its own path and on the siblings
   tried before it, which all come earlier in the node order and so survive every cut that
   keeps i. Each budget is charged its target pass plus propose_tree (the whole tree is
@@ -381,7 +381,7 @@ class AdaptiveTreeRound(AdaptiveRound):
     last_probe = probe_window(self.config.rules, cost_W[0], cost_W[-1])
     probe = probe_due(stats, remaining_B, last_probe, can_probe)
     budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, remaining_B > 0, budgets,
-                                              jnp.asarray(cost_W, jnp.float32))
+                                              jnp.asarray(cost_W, jnp.float32), remaining_B)
     return RoundPlan(can_probe, last_probe, probe, tree_now | probe,
                      jnp.where(probe, len(budgets) - 1, budget_idx))
 
