@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from spec_jax.bench.cases import ar_case, pad_width, spec_case
 from spec_jax.bench.rows import finish_rows, same_tokens
 from spec_jax.bench.runner import skipped
@@ -208,6 +210,11 @@ def real_model(plan, ctx: dict) -> dict:
         rec["speedup_worst_prompt"] = min(per_prompt)
     rows += records
     groups.append({"batch": batch, **group})
+    # drop this batch's compiled programs before the next one compiles: each XLA:CPU
+    # executable keeps its own memory mappings, and batch 1's ~15 SmolLM2 programs (with the
+    # cost tables' timing programs) left batch 8's compile past vm.max_map_count (65530),
+    # where LLVM aborts the process (as in the batch sweep, scenarios.py)
+    jax.clear_caches()
     log(f"[RM b{batch}] " + "; ".join(
         f"{r['label']}: {r.get('tokens_per_s', 0):.1f} tok/s, x{r.get('speedup') or 0:.2f}"
         for r in records if "error" not in r))
