@@ -530,6 +530,47 @@ def test_plain_stretches_keep_what_the_next_round_reads(stories, story_reference
                                                  step["adaptive"]["width_rounds"])
 
 
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_a_stretch_to_the_end_records_no_features_unless_the_state_is_read(
+    stories, story_reference, trained, kind):
+  """Drafting that never pays: one plain stretch to the end. Nothing reads the drafter's
+  state after it, so its target features are not recorded (nor prefilled): the state stays
+  zero. A caller that reads the final state (return_state) gets every step's features, as
+  a drafter that catches up in every plain step keeps them. Same tokens either way."""
+  import dataclasses
+  from spec_jax.adaptive import AdaptiveConfig
+  from spec_jax.engine import prepare_program, speculate
+  from spec_jax.speculative import speculative_jit
+
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained(kind)
+  draft_params = spec.draft_params(own, model, params)
+  never = AdaptiveConfig(gamma_max=HEADS, target_costs=(1.0, 1.6, 2.0, 2.2), draft_cost=1e3)
+  program, args = prepare_program(model, spec.drafter, *prompts, gamma=never,
+                                  max_new_tokens=NEW, eos_id=1)
+  out, _, state = speculative_jit(program, params, draft_params, *args)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert summarize(out.metrics)["adaptive"]["undrafted_rounds"] == summarize(out.metrics)["rounds"]
+  assert not np.any(np.asarray(state.features_BSD))
+
+  @dataclasses.dataclass(frozen=True)
+  class EveryStep(type(spec.drafter)):
+    skips_rounds = False
+
+  kept = [speculate(model, params, d, draft_params, *prompts, gamma=never, max_new_tokens=NEW,
+                    eos_id=1, return_state=True) for d in (spec.drafter,
+                                                           EveryStep(spec.drafter.model))]
+  for out, _, _ in kept:
+    assert np.array_equal(out.tokens, reference.tokens)
+  lengths = np.asarray(prompts[1]) + np.asarray(reference.num_tokens) - 1  # fed tokens
+  (_, _, stretch), (_, _, every) = kept
+  for row, length in enumerate(lengths):
+    np.testing.assert_allclose(stretch.features_BSD[row, :length],
+                               every.features_BSD[row, :length], rtol=1e-5, atol=1e-5)
+    assert np.any(np.asarray(stretch.features_BSD[row, :length]))
+
+
 @pytest.mark.parametrize("kind", ["medusa", "mtp"])
 def test_auto_drafts_at_most_what_the_heads_can(stories, story_reference, trained, kind,
                                                 monkeypatch):

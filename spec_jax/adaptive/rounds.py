@@ -164,15 +164,15 @@ class AdaptiveRound:
     window = CATCH_UP_WIDTHS[-1]
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
-    def one(c):
-      i, active_steps_B, s = c
-      new = self.plain_token(target, drafter, sampling, params, draft_params, lengths_B,
-                             budget_B, eos_id, s)
-      return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
+    def stepper(record):
+      def one(c):
+        i, active_steps_B, s = c
+        new = self.plain_token(target, drafter, sampling, params, draft_params, lengths_B,
+                               budget_B, eos_id, s, record=record)
+        return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
+      return one
 
-    # a stretch to the end: nothing drafts after it, so its catch-ups are skipped unless the
-    # final drafter state is wanted (AdaptiveConfig.final_draft_state)
-    skip_catch_up = False if self.config.final_draft_state else n == _TO_THE_END
+    one = stepper(record=True)
 
     def chunk(c):  # up to `window` steps, then the drafter's catch-up over them
       start, active_steps_B, s = c
@@ -181,16 +181,28 @@ class AdaptiveRound:
           lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
       # the narrowest compiled window that covers the chunk's steps (a short stretch between
-      # drafted rounds must not pay a 33-token pass of a real draft model); 0: none
-      pick = jnp.searchsorted(jnp.asarray(CATCH_UP_WIDTHS, jnp.int32), i - start) + 1
+      # drafted rounds must not pay a 33-token pass of a real draft model)
+      pick = jnp.searchsorted(jnp.asarray(CATCH_UP_WIDTHS, jnp.int32), i - start)
       catch_up = [functools.partial(drafter.catch_up_after, draft_params, ctx=ctx, rounds=w,
                                     gamma=gamma) for w in CATCH_UP_WIDTHS]
-      return i, active_steps_B, s.replace(draft_state=switch_in_place(
-          jnp.where(skip_catch_up, 0, pick), [lambda state: state] + catch_up, s.draft_state))
+      return i, active_steps_B, s.replace(draft_state=switch_in_place(pick, catch_up,
+                                                                      s.draft_state))
+
+    def chunks(c):
+      return jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B), chunk, c)
+
+    def to_the_end(c):
+      # nothing drafts after this stretch, so the drafter is neither told of its steps nor
+      # caught up: generate's loop body alone (recording the target's features cost an EAGLE
+      # or MTP drafter that never drafted ~20% of stories260K's step at batch 1)
+      return jax.lax.while_loop(lambda c: jnp.any(~c[2].done_B), stepper(record=False), c)
 
     zeros_B = jnp.zeros_like(s.pending_B)
-    steps, active_steps_B, new = jax.lax.while_loop(
-        lambda c: (c[0] < n) & jnp.any(~c[2].done_B), chunk, (jnp.int32(0), zeros_B, s))
+    carry = (jnp.int32(0), zeros_B, s)
+    if self.config.final_draft_state:  # the caller reads the drafter's state after the run
+      steps, active_steps_B, new = chunks(carry)
+    else:
+      steps, active_steps_B, new = cond_in_place(n == _TO_THE_END, to_the_end, chunks, carry)
     new = new.replace(metrics=new.metrics.after_plain_steps(
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
@@ -211,7 +223,7 @@ class AdaptiveRound:
 
   @staticmethod
   def plain_token(target, drafter, sampling, params, draft_params, lengths_B, budget_B, eos_id,
-                  s):
+                  s, *, record: bool = True):
     """One plain step of a stretch for a drafter that skips rounds: generate's loop body (one
     target token, no drafter, no round bookkeeping at gamma_max's shapes) -> the new state
     (its metrics untouched: plain_stretch adds them once)."""
@@ -223,8 +235,8 @@ class AdaptiveRound:
         s.num_generated_B, s.done_B, s.cache, s.counts)
     # drafters that read the target's hidden states keep the pending token's (rows that fed
     # it: those that emitted); dead code for the others
-    draft_state = drafter.record_plain_step(draft_params, s.draft_state, hidden_BD,
-                                            s.cache.length_B, count_B > 0)
+    draft_state = s.draft_state if not record else drafter.record_plain_step(
+        draft_params, s.draft_state, hidden_BD, s.cache.length_B, count_B > 0)
     # the pending token's position, as commit_round keeps it: a row that emitted moves on
     cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
     return s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,
