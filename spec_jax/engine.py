@@ -90,7 +90,8 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
   program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
   if return_state:
     program = adaptive.keeping_draft_state(program)
-  out, cache, draft_state = speculative_jit(program, params, draft_params, *args)
+  out, cache, draft_state = speculative_jit(program, params, draft_params, *args,
+                                            keep_state=return_state)
   return (out, cache, draft_state) if return_state else out
 
 
@@ -101,7 +102,7 @@ def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_length
   check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   **settings)
-  return speculative_jit.lower(program, params, draft_params, *args)
+  return speculative_jit.lower(program, params, draft_params, *args, keep_state=False)
 
 
 @dataclasses.dataclass(frozen=True)

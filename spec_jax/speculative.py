@@ -229,13 +229,17 @@ class SpeculativeProgram:
                             failed=state.failed_B)
 
 
-@functools.partial(jax.jit, static_argnames=("program",))
+@functools.partial(jax.jit, static_argnames=("program", "keep_state"))
 def speculative_jit(program: SpeculativeProgram, params, draft_params, tokens_BP, lengths_B,
-                     budget_B, eos_id, pad_id, key):
+                     budget_B, eos_id, pad_id, key, *, keep_state: bool = True):
+  """-> (GenerationOutput, final target cache, final drafter state); keep_state=False: the
+  two states are None (not outputs at all: each output array costs host time to hand back,
+  and a drafter's state holds many)."""
   state = program.init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
   state = program.run(params, draft_params, lengths_B, budget_B, eos_id, state,
                       program.max_new_tokens)
-  return program.finish(state, lengths_B, pad_id), state.cache, state.draft_state
+  out = program.finish(state, lengths_B, pad_id)
+  return (out, state.cache, state.draft_state) if keep_state else (out, None, None)
 
 
 def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths_B, *,
@@ -293,5 +297,6 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
                           max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                           key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                           verifier=verifier)
-  out, cache, draft_state = speculative_jit(program, params, draft_params, *args)
+  out, cache, draft_state = speculative_jit(program, params, draft_params, *args,
+                                            keep_state=return_state)
   return (out, cache, draft_state) if return_state else out

@@ -142,7 +142,8 @@ def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, dr
                                max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                                key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                                verifier=verifier)
-  out, cache, draft_state = speculative_jit(program, params, draft_params, *args)
+  out, cache, draft_state = speculative_jit(program, params, draft_params, *args,
+                                            keep_state=return_state)
   return (out, cache, draft_state) if return_state else out
 
 

@@ -74,7 +74,7 @@ def spec_case(model, params, spec_drafter, draft_params, *, gamma: int | str,
       return lower_auto(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
     program, args = prepare(model, spec_drafter, tokens, lengths, sampling=GREEDY, eos_id=None,
                             key=None, budgets_B=None, pad_id=0, **kw)
-    return speculative_jit.lower(program, params, draft_params, *args)
+    return speculative_jit.lower(program, params, draft_params, *args, keep_state=False)
 
   return Case(label, run, lower, {"method": "speculative", "gamma": gamma, **info})
 
