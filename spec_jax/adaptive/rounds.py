@@ -157,10 +157,11 @@ class AdaptiveRound:
   def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
                     budget_B, eos_id, n, s):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
-    (one target token, no drafter, no round bookkeeping at gamma_max's shapes), the metrics
-    are added once, and the drafter catches up after every CATCH_UP_WIDTHS[-1] steps and at
-    the end (Drafter.catch_up_after, whose window is static), unless the stretch ends the
-    generation (AdaptiveConfig.final_draft_state). -> plain_steps' tuple."""
+    (one target token, no round bookkeeping at gamma_max's shapes) plus the drafter's
+    record_plain_step, the metrics are added once, and the drafter catches up after every
+    CATCH_UP_WIDTHS[-1] steps and at the end (Drafter.catch_up_after, whose window is
+    static). A stretch that ends the generation does neither, unless the caller reads the
+    final drafter state (AdaptiveConfig.final_draft_state). -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
@@ -225,8 +226,10 @@ class AdaptiveRound:
   def plain_token(target, drafter, sampling, params, draft_params, lengths_B, budget_B, eos_id,
                   s, *, record: bool = True):
     """One plain step of a stretch for a drafter that skips rounds: generate's loop body (one
-    target token, no drafter, no round bookkeeping at gamma_max's shapes) -> the new state
-    (its metrics untouched: plain_stretch adds them once)."""
+    target token, no round bookkeeping at gamma_max's shapes) -> the new state (its metrics
+    untouched: plain_stretch adds them once). The drafter is only told of the step
+    (record_plain_step), and not at all with record=False, where its state is never read
+    again."""
     # the key outlives the stretch, so a greedy step's split would not be dropped as dead
     key, step_key = split_unless_greedy(s.key, 2, sampling)
     (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts,
