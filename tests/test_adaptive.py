@@ -315,24 +315,28 @@ def test_undrafted_rounds_when_drafting_never_pays(stories, story_prompts):
   assert a["undrafted_rounds"] > 0.7 * summarize(out.metrics)["rounds"]  # probes only
 
 
-@pytest.mark.parametrize("kind", ["layer_skip", "lookup+layer_skip"])
-def test_draft_cache_is_caught_up_after_plain_stretches(stories, story_prompts, kind):
+@pytest.mark.parametrize("kind,hindsight", [("layer_skip", False), ("lookup+layer_skip", False),
+                                            ("layer_skip", True)])
+def test_draft_cache_is_caught_up_after_plain_stretches(stories, story_prompts, kind,
+                                                        hindsight):
   # Plain steps leave a draft model's cache behind and catch it up in one pass afterwards
   # (Drafter.catch_up_after): at the end it must equal a fresh prefill of the tokens, and the
-  # run must have had such stretches (drafting made expensive) and drafted rounds (probes).
+  # run must have had such stretches (drafting made expensive) and, probing, drafted rounds
+  # (probes); with hindsight, catch-ups every few steps that never find drafting paying.
   from test_speculative import assert_cache_prefix_close
   model, params = stories
   prompts = pad_prompts(story_prompts, width=12)
   budgets = [NEW, 9, NEW, 21, NEW]
   drafter, draft_params = make_drafter(kind, model, params, num_layers=2, max_ngram=2)
   assert drafter.skips_rounds
-  cfg = dataclasses.replace(config(probe_every=4), draft_cost=4.0)  # probes only
+  cfg = dataclasses.replace(config(probe_every=4, hindsight=hindsight), draft_cost=4.0)
   out, _, state = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
                             max_new_tokens=NEW, budgets_B=budgets, return_state=True)
   ref = generate(model, params, *prompts, max_new_tokens=NEW, budgets_B=budgets)
   assert np.array_equal(out.tokens, ref.tokens)
   m = summarize(out.metrics)
-  assert 0 < m["adaptive"]["undrafted_rounds"] < m["rounds"], m["adaptive"]
+  drafted = m["rounds"] - m["adaptive"]["undrafted_rounds"]
+  assert (drafted == 0) if hindsight else (0 < drafted < m["rounds"]), m["adaptive"]
   cache = state.secondary.cache if kind.startswith("lookup") else state.cache
   draft = drafter.secondary.model if kind.startswith("lookup") else drafter.model
   seq = np.asarray(out.sequences)
@@ -368,16 +372,18 @@ def test_a_stretch_that_ends_the_run_leaves_the_draft_cache_behind_unless_it_is_
   assert np.all(np.asarray(state.cache.length_B) >= prompt_lengths + NEW - 2)
 
 
+@pytest.mark.parametrize("hindsight", [True, False])
 def test_a_run_that_starts_plain_and_probes_later_prefills_its_drafter(stories,
-                                                                      story_prompts):
+                                                                      story_prompts, hindsight):
   # The first round plans no drafts (a prior of 0.7 does not pay for this table) but probes
-  # come, so the drafter's prefill must not be skipped: a perfect drafter (the target as its
-  # own draft model) then has its probes accepted whole, and drafting takes over. With a
-  # zero draft cache its drafts would be noise.
+  # come (or, with hindsight, the first catch-up sees every guess agree), so the drafter's
+  # prefill must not be skipped: a perfect drafter (the target as its own draft model) then
+  # has its drafts accepted whole, and drafting takes over. With a zero draft cache its
+  # drafts would be noise.
   model, params = stories
   prompts = pad_prompts(story_prompts, width=12)
   cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
-                       draft_cost=0.5, rules=AdaptiveRules(probe_every=2))
+                       draft_cost=0.5, rules=AdaptiveRules(probe_every=2, hindsight=hindsight))
   program, args = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=cfg,
                                   max_new_tokens=NEW)
   stats = program.initial_stats(len(story_prompts))
@@ -389,6 +395,83 @@ def test_a_run_that_starts_plain_and_probes_later_prefills_its_drafter(stories,
   m = summarize(out.metrics)
   assert 2 <= m["adaptive"]["undrafted_rounds"] < m["rounds"], m["adaptive"]
   assert m["acceptance_rate"] > 0.97, m  # (a zero draft cache: 0.8)
+
+
+def test_hindsight_is_the_draft_models_greedy_guess(stories, story_prompts):
+  """A draft model's catch-up says, for each position it feeds, whether its greedy next
+  token is the token that followed: what one teacher-forced pass over the sequence says."""
+  from spec_jax.drafters.base import DraftContext, PromptInfo
+  model, params = stories
+  draft_params = perturbed(params, 0.15, seed=1)
+  drafter = DraftModelDrafter(model)
+  assert drafter.has_hindsight and not make_drafter("prompt_lookup", model, params)[0].has_hindsight
+  prompts = pad_prompts(story_prompts, width=12)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  seq_BS = np.asarray(ref.sequences)
+  positions = np.broadcast_to(np.arange(seq_BS.shape[1], dtype=np.int32), seq_BS.shape)
+  logits, _, _ = model.apply(draft_params, seq_BS, positions,
+                             model.init_cache(*seq_BS.shape))
+  teacher_BS = np.argmax(np.asarray(logits), -1)[:, :-1] == seq_BS[:, 1:]
+  rounds, steps = 8, 6  # a stretch of 6 plain steps after the prompt's prefill
+  lengths_B = np.asarray(prompts[1])
+  state = drafter.init(draft_params, PromptInfo(*map(jnp.asarray, prompts), seq_BS.shape[1]))
+  ctx = DraftContext(jnp.asarray(seq_BS), jnp.asarray(lengths_B + steps),
+                     jnp.asarray(seq_BS[np.arange(len(lengths_B)), lengths_B + steps]))
+  _, agree_BW = drafter.catch_up_with_hindsight(draft_params, state, ctx, rounds, gamma=4)
+  assert agree_BW.shape == (len(lengths_B), rounds + 1)
+  for row, position in enumerate(lengths_B + steps):
+    np.testing.assert_array_equal(agree_BW[row], teacher_BS[row, position - rounds - 1:position])
+  assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
+
+
+def test_hindsight_estimates_learn_the_agreement_rates():
+  """The first draft's estimate learns the agreement rate, the later ones the rate right
+  after an agreement, each as that many moving-average steps towards it would; positions
+  outside the stretch (valid False) count for nothing."""
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(3, 4, (1, 2, 3, 5), 4, 0.7, 8)
+  agree = np.array([[1, 1, 0, 1, 1, 1, 0, 0], [1, 0, 1, 0, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]],
+                   bool)
+  valid = np.array([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8, [0] * 8], bool)
+  lr = 0.3
+  new = np.asarray(stats.learn_hindsight(jnp.asarray(agree), jnp.asarray(valid), lr).estimate_BG)
+
+  def averaged(x, n, e=0.7):
+    for _ in range(n):
+      e += lr * (x - e)
+    return e
+
+  # row 0: 6 positions, 3 agree; after its 2 agreements (positions 3, 4, 5 follow one), 2 agree
+  np.testing.assert_allclose(new[0], [averaged(3 / 6, 6)] + [averaged(2 / 3, 3)] * 3, rtol=1e-6)
+  # row 1: 8 positions, 5 agree; 4 follow an agreement, 1 of them agrees
+  np.testing.assert_allclose(new[1], [averaged(5 / 8, 8)] + [averaged(1 / 4, 4)] * 3, rtol=1e-6)
+  np.testing.assert_allclose(new[2], 0.7, rtol=1e-6)  # nothing seen: unchanged
+
+
+@pytest.mark.parametrize("hindsight", [True, False])
+def test_a_useless_draft_learns_in_hindsight_and_is_never_verified(stories, story_prompts,
+                                                                     hindsight):
+  """A 1-layer skip of stories260K never guesses the next token. With hindsight its plain
+  stretches learn that from their catch-ups, and no round drafts; probing, the same run
+  verifies drafts that are all rejected. Same tokens either way."""
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  drafter, draft_params = make_drafter("layer_skip", model, params, num_layers=1)
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
+                       draft_cost=0.5, rules=AdaptiveRules(probe_every=2, hindsight=hindsight))
+  out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                  max_new_tokens=NEW)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  assert np.array_equal(out.tokens, ref.tokens)
+  m = summarize(out.metrics)
+  drafted = m["rounds"] - m["adaptive"]["undrafted_rounds"]
+  if hindsight:
+    assert drafted == 0, m["adaptive"]
+    # the first draft's estimate learned (from the prior 0.7); later ones saw nothing: a
+    # draft is never reached after an agreement
+    assert m["adaptive"]["acceptance_estimate"][0] < 0.2, m["adaptive"]
+  else:
+    assert drafted > 0 and m["acceptance_rate"] < 0.2, m
 
 
 @pytest.mark.parametrize("costs,draft,match", [

@@ -216,6 +216,17 @@ def steps_to_probe(stats, remaining_B, last_probe, can_probe) -> jax.Array:
   return jnp.where(can_probe & (jnp.max(remaining_B) - wait >= last_probe), wait, _TO_THE_END)
 
 
+def stretch_steps(stats, remaining_B, last_probe, can_probe, watch: bool) -> jax.Array:
+  """[] int32: how long a plain stretch may run before the round loop plans again, or
+  _TO_THE_END when nothing drafts after it. Probing: steps_to_probe. Watching (the stretch
+  learns in hindsight, ending itself when drafting pays): until the slowest row's remaining
+  budget is below the probe window, where no drafted round could repay itself."""
+  if not watch:
+    return steps_to_probe(stats, remaining_B, last_probe, can_probe)
+  left = jnp.max(remaining_B) - jnp.int32(np.ceil(last_probe))
+  return jnp.where(can_probe & (left >= 1), left, _TO_THE_END).astype(jnp.int32)
+
+
 def probe_was_promising(remaining_before_B, remaining_after_B, active_B, plain_cost,
                         extra_cost) -> jax.Array:
   """[] bool: a drafted round moved the batch's finish (the largest remaining budget of the

@@ -15,7 +15,7 @@ from spec_jax.adaptive.config import AdaptiveConfig
 from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, choose_tree_budget,
                                         drafting_can_pay, planned_drafts, probe_due,
                                         probe_was_promising, probe_window, row_rule,
-                                        schedule_length, steps_to_probe, verify_admitted,
+                                        schedule_length, stretch_steps, verify_admitted,
                                         width_index)
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
@@ -52,7 +52,8 @@ class AdaptiveRound:
     # past that are never kept, so they are worth nothing (known before drafting: lossless)
     remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
     useful_B = jnp.maximum(remaining_B - 1, 0)
-    plan = self.plan(stats, remaining_B)
+    watch = self.watches(drafter, sampling)
+    plan = self.plan(stats, remaining_B, watch=watch)
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
@@ -61,7 +62,7 @@ class AdaptiveRound:
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
-                                    plan.can_probe, plan.last_probe)
+                                    plan.can_probe, plan.last_probe, watch=watch)
     drafting = jnp.asarray(table.drafting_G)[jnp.maximum(plan.size, 1) - 1]
     costs_W = jnp.asarray(table.target_W)
     return self.drafted_or_plain(
@@ -70,27 +71,36 @@ class AdaptiveRound:
         budget_B=budget_B,
         catch_up_cost=float(table.drafting_G[-1]) if drafter.skips_rounds else 0.0)
 
-  def plan(self, stats: AdaptiveStats, remaining_B) -> RoundPlan:
+  def watches(self, drafter: Drafter, sampling: SamplingConfig) -> bool:
+    """Static: whether plain stretches learn the estimates in hindsight (the drafter's
+    catch-ups report its greedy guesses: Drafter.catch_up_with_hindsight) instead of
+    probing. Greedy runs only: a sampled token is not the acceptance of a draft."""
+    return (self.config.rules.hindsight and drafter.has_hindsight and sampling.is_greedy
+            and not self.forced)
+
+  def plan(self, stats: AdaptiveStats, remaining_B, *, watch: bool = False) -> RoundPlan:
     """What a chain round decides before drafting: its size is the drafts planned (0: a
-    plain stretch)."""
+    plain stretch). watch: no probes (the stretches learn in hindsight)."""
     rules = self.config.rules
     table = self.config.cost_table
     # no probes where even drafts that were all accepted could not beat a plain step: the
     # cost table alone (static) rules drafting out, and probing would only pay for drafts
     can_probe = drafting_can_pay(table.verify_G1, table.drafting_G)
     last_probe = probe_window(rules, table.plain, np.max(table.rounds_G))
-    probe = probe_due(stats, remaining_B, last_probe, can_probe)
+    probe = (jnp.bool_(False) if watch else
+             probe_due(stats, remaining_B, last_probe, can_probe))
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
                              remaining_B > 0, jnp.asarray(table.verify_G1), table.drafting_G,
                              rules, probe, remaining_B)
     return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
 
-  def never_drafts(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+  def never_drafts(self, stats: AdaptiveStats, remaining_B, *, watch: bool = False
+                   ) -> jax.Array:
     """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
-    planned, no probe due now or later), so no round of this run drafts."""
-    plan = self.plan(stats, remaining_B)
-    return ~plan.drafts & (steps_to_probe(stats, remaining_B, plan.last_probe, plan.can_probe)
-                           == _TO_THE_END)
+    planned, no probe due now or later, nothing to watch), so no round of this run drafts."""
+    plan = self.plan(stats, remaining_B, watch=watch)
+    return ~plan.drafts & (stretch_steps(stats, remaining_B, plan.last_probe, plan.can_probe,
+                                         watch) == _TO_THE_END)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
                        round_cost, budget_B, catch_up_cost=0.0):
@@ -127,22 +137,24 @@ class AdaptiveRound:
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
-                  lengths_B, budget_B, eos_id, can_probe, last_probe, s):
+                  lengths_B, budget_B, eos_id, can_probe, last_probe, s, *, watch=False):
     """Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
     table rules drafting out), in an inner loop, so that an undrafted stretch costs what
     autoregressive decoding does and not a whole round's bookkeeping (two conditionals, the
     rules) per token, nor one per probe_every tokens (capped there, a useless draft ran at
     0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a stretch,
     so ending it earlier would only plan no drafts again. A drafter that can skip rounds
-    catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step.
+    catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step. watch (see
+    `watches`): the stretch learns from each catch-up in hindsight, and ends when drafting
+    pays, or where a drafted round could no longer repay itself.
     -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B)."""
     stats: AdaptiveStats = s.metrics.adaptive
-    n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
-                       last_probe, can_probe)
+    n = stretch_steps(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
+                      last_probe, can_probe, watch)
     zeros_B = jnp.zeros_like(s.pending_B)
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
-                                lengths_B, budget_B, eos_id, n, s)
+                                lengths_B, budget_B, eos_id, n, s, watch=watch)
 
     def one(c):
       i, row_rounds, s = c
@@ -155,14 +167,23 @@ class AdaptiveRound:
     return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
 
   def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
-                    budget_B, eos_id, n, s):
+                    budget_B, eos_id, n, s, *, watch: bool = False):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no round bookkeeping at gamma_max's shapes) plus the drafter's
     record_plain_step, the metrics are added once, and the drafter catches up after every
     CATCH_UP_WIDTHS[-1] steps and at the end (Drafter.catch_up_after, whose window is
     static). A stretch that ends the generation does neither, unless the caller reads the
-    final drafter state (AdaptiveConfig.final_draft_state). -> plain_steps' tuple."""
+    final drafter state (AdaptiveConfig.final_draft_state).
+
+    watch: each catch-up also says how the drafter's greedy drafts would have fared over
+    the steps it covers (catch_up_with_hindsight); the estimates learn from that, as from
+    verified drafts, and the stretch ends after the first catch-up whose plan drafts. Its
+    catch-ups come after probe_every steps, then after as many as have run (up to the
+    widest window), so a drafter that starts paying is seen soon, and a useless one costs a
+    catch-up per CATCH_UP_WIDTHS[-1] steps: no probe verifies drafts that are rejected.
+    -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
+    rules = self.config.rules
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
     def stepper(record):
@@ -175,22 +196,50 @@ class AdaptiveRound:
 
     one = stepper(record=True)
 
-    def chunk(c):  # up to `window` steps, then the drafter's catch-up over them
-      start, active_steps_B, s = c
-      stop = jnp.minimum(start + window, n)
-      i, active_steps_B, s = jax.lax.while_loop(
-          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
-      ctx = round_inputs(s, sampling, eos_id)[0]
+    def catch_up(draft_state, ctx, steps, steps_B):
       # the narrowest compiled window that covers the chunk's steps (a short stretch between
       # drafted rounds must not pay a 33-token pass of a real draft model)
-      pick = jnp.searchsorted(jnp.asarray(CATCH_UP_WIDTHS, jnp.int32), i - start)
-      catch_up = [functools.partial(drafter.catch_up_after, draft_params, ctx=ctx, rounds=w,
-                                    gamma=gamma) for w in CATCH_UP_WIDTHS]
-      return i, active_steps_B, s.replace(draft_state=switch_in_place(pick, catch_up,
-                                                                      s.draft_state))
+      pick = jnp.searchsorted(jnp.asarray(CATCH_UP_WIDTHS, jnp.int32), steps)
+      if not watch:
+        return switch_in_place(pick, [functools.partial(
+            drafter.catch_up_after, draft_params, ctx=ctx, rounds=w, gamma=gamma)
+            for w in CATCH_UP_WIDTHS], draft_state), None
+
+      def hindsight(w):  # agreements padded on the left to the widest window's
+        def run(c):
+          state, agree_BW = drafter.catch_up_with_hindsight(draft_params, c[0], ctx, w, gamma)
+          return state, jnp.pad(agree_BW, ((0, 0), (window - w, 0)))
+        return run
+
+      zeros_BA = jnp.zeros((steps_B.shape[0], window + 1), bool)
+      draft_state, agree_BA = switch_in_place(pick, [hindsight(w) for w in CATCH_UP_WIDTHS],
+                                              (draft_state, zeros_BA))
+      # each row's own steps of this chunk are the last of the window
+      valid_BA = jnp.arange(window + 1)[None, :] >= window + 1 - steps_B[:, None]
+      return draft_state, (agree_BA, valid_BA)
+
+    def chunk(c):  # a stretch's steps up to its next catch-up, then the catch-up
+      start, active_steps_B, s, _ = c
+      # watching: the first catch-up after probe_every steps, then after as many as ran
+      length = jnp.clip(start, rules.probe_every, window) if watch else window
+      stop = jnp.minimum(start + length, n)
+      i, steps_B, s = jax.lax.while_loop(
+          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
+      ctx = round_inputs(s, sampling, eos_id)[0]
+      draft_state, seen = catch_up(s.draft_state, ctx, i - start, steps_B - active_steps_B)
+      s = s.replace(draft_state=draft_state)
+      pays = jnp.bool_(False)
+      if watch:
+        stats = s.metrics.adaptive.learn_hindsight(*seen, rules.learning_rate)
+        s = s.replace(metrics=s.metrics.replace(adaptive=stats))
+        remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
+        pays = self.plan(stats, remaining_B, watch=True).drafts
+      return i, steps_B, s, pays
 
     def chunks(c):
-      return jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B), chunk, c)
+      i, steps_B, s, _ = jax.lax.while_loop(
+          lambda c: (c[0] < n) & jnp.any(~c[2].done_B) & ~c[3], chunk, c + (jnp.bool_(False),))
+      return i, steps_B, s
 
     def to_the_end(c):
       # nothing drafts after this stretch, so the drafter is neither told of its steps nor

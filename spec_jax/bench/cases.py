@@ -55,21 +55,22 @@ def ar_case(model, params, *, max_new_tokens: int, cache_len: int, label="autore
                                   **info})
 
 
-def spec_case(model, params, spec_drafter, draft_params, *, gamma: int | str,
+def spec_case(model, params, spec_drafter, draft_params, *, gamma,
               max_new_tokens: int, cache_len: int, label: str, verifier=verify, **info) -> Case:
   """Greedy speculative decoding. info["drafter"] is the row's label for the drafter;
-  spec_drafter is the drafter itself. gamma="auto": adaptive speculation (spec_jax.adaptive;
-  its cost table is measured on the first, untimed, call)."""
+  spec_drafter is the drafter itself. gamma="auto" or an AdaptiveConfig: adaptive
+  speculation (spec_jax.adaptive; its cost table is measured on the first, untimed, call)."""
+  adaptive = not isinstance(gamma, int)
   kw = dict(gamma=gamma, max_new_tokens=max_new_tokens, cache_len=cache_len, verifier=verifier)
 
   def run(tokens, lengths):
-    if gamma == "auto":
+    if adaptive:
       from spec_jax.engine import speculate
       return speculate(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
     return speculative_generate(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
 
   def lower(tokens, lengths):
-    if gamma == "auto":
+    if adaptive:
       from spec_jax.engine import lower as lower_auto
       return lower_auto(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
     program, args = prepare(model, spec_drafter, tokens, lengths, sampling=GREEDY, eos_id=None,

@@ -160,6 +160,23 @@ class Drafter:
     instead of one small pass per token. Only for drafters whose `skips_rounds` is True."""
     raise NotImplementedError(f"{type(self).__name__} does not skip rounds")
 
+  @property
+  def has_hindsight(self) -> bool:
+    """Whether catch_up_with_hindsight reports how greedy drafts would have fared."""
+    return False
+
+  def catch_up_with_hindsight(self, params, state, ctx: DraftContext, rounds: int,
+                              gamma: int) -> tuple[Any, jax.Array | None]:
+    """catch_up_after, and what it saw: agree_BW [B, rounds + 1] bool, entry w whether the
+    draft this drafter makes greedily after the known tokens up to position
+    L - rounds - 1 + w (teacher-forced on them) is the token that followed. In a greedy
+    run that is whether a round started there would have accepted that draft, and, for a
+    drafter whose later drafts read only the tokens before them (a draft model), draft j of
+    a round whose earlier drafts were accepted: the adaptive rounds learn their estimates
+    from it over a plain stretch instead of probing (spec_jax.adaptive). None: not known
+    (has_hindsight False)."""
+    return self.catch_up_after(params, state, ctx, rounds, gamma), None
+
   def record_plain_step(self, params, state, hidden_BD: jax.Array, position_B: jax.Array,
                         fed_B: jax.Array) -> Any:
     """After each plain target step of a stretch (see catch_up_after): the target's hidden

@@ -167,16 +167,22 @@ def store_step_features(features_BSD: jax.Array, hidden_BD: jax.Array, position_
                            fed_B[:, None])
 
 
-def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: int):
+def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: int, *,
+                               hindsight: bool = False):
   """A draft model's catch-up after a plain stretch: the `width` known tokens before the
   pending one (positions L-width .. L-1) through `model` in one pass -> its cache, valid
   below L. Clamped at 0 early on: repeated (token 0, position 0) entries write the same
-  values."""
+  values. hindsight: -> (cache, agree_BW), whether the model's greedy next token at each
+  of those positions is the token that followed (Drafter.catch_up_with_hindsight)."""
   window_BW = jnp.maximum(
       ctx.position_B[:, None] + jnp.arange(-width, 0, dtype=jnp.int32)[None, :], 0)
   tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
-  _, _, cache = model.apply(params, tokens_BW, window_BW, cache)
-  return cache.with_length(ctx.position_B)
+  logits_BWV, _, cache = model.apply(params, tokens_BW, window_BW, cache)
+  cache = cache.with_length(ctx.position_B)
+  if not hindsight:  # (the logits are then dead code)
+    return cache
+  followed_BW = jnp.take_along_axis(ctx.seq_BS, window_BW + 1, axis=1)
+  return cache, jnp.argmax(logits_BWV, axis=-1).astype(jnp.int32) == followed_BW
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:
