@@ -448,6 +448,35 @@ def test_hindsight_estimates_learn_the_agreement_rates():
   np.testing.assert_allclose(new[2], 0.7, rtol=1e-6)  # nothing seen: unchanged
 
 
+def test_watching_skips_the_plan_only_where_it_could_not_draft():
+  """watch_pays runs the plan only when some row's first estimate reaches the least one at
+  which any length could pay; below it the plan never drafts, so skipping it changes
+  nothing. Random estimates on both sides of that bound, at 1 and 4 rows."""
+  from spec_jax.adaptive.rounds import AdaptiveRound
+  from spec_jax.metrics import AdaptiveStats
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
+                       draft_cost=0.5).resolved()
+  round_fn = AdaptiveRound(cfg)
+
+  @jax.jit
+  def both(estimate_BG, remaining_B):
+    stats = AdaptiveStats.zeros(estimate_BG.shape[0], 8, cfg.widths, 4, 0.7, 8)
+    stats = stats.replace(estimate_BG=estimate_BG)
+    return (round_fn.plan(stats, remaining_B, watch=True).drafts,
+            round_fn.watch_pays(stats, remaining_B))
+
+  rng = np.random.default_rng(0)
+  seen = set()
+  for rows in (1, 4):
+    for _ in range(200):
+      estimate_BG = rng.uniform(0, 1, (rows, 8)) ** rng.uniform(0.1, 3)
+      plan, pays = both(jnp.asarray(estimate_BG, jnp.float32),
+                        jnp.asarray(rng.integers(1, 200, rows), jnp.int32))
+      assert bool(pays) == bool(plan), estimate_BG
+      seen.add(bool(plan))
+  assert seen == {True, False}
+
+
 @pytest.mark.parametrize("hindsight", [True, False])
 def test_a_useless_draft_learns_in_hindsight_and_is_never_verified(stories, story_prompts,
                                                                      hindsight):

@@ -218,13 +218,12 @@ def steps_to_probe(stats, remaining_B, last_probe, can_probe) -> jax.Array:
 
 def stretch_steps(stats, remaining_B, last_probe, can_probe, watch: bool) -> jax.Array:
   """[] int32: how long a plain stretch may run before the round loop plans again, or
-  _TO_THE_END when nothing drafts after it. Probing: steps_to_probe. Watching (the stretch
-  learns in hindsight, ending itself when drafting pays): until the slowest row's remaining
-  budget is below the probe window, where no drafted round could repay itself."""
-  if not watch:
-    return steps_to_probe(stats, remaining_B, last_probe, can_probe)
-  left = jnp.max(remaining_B) - jnp.int32(np.ceil(last_probe))
-  return jnp.where(can_probe & (left >= 1), left, _TO_THE_END).astype(jnp.int32)
+  _TO_THE_END when nothing drafts after it: steps_to_probe, whether the stretch ends in a
+  probe or (watch) has learned in hindsight by then, ending itself earlier if drafting
+  pays. A watched stretch that did not find it worth it stands for a probe that was not
+  promising (the wait grows), so a useless draft's catch-ups stop where its probes would."""
+  del watch  # (the same schedule: checks at 8, 16, 32, ... idle steps)
+  return steps_to_probe(stats, remaining_B, last_probe, can_probe)
 
 
 def probe_was_promising(remaining_before_B, remaining_after_B, active_B, plain_cost,

@@ -94,6 +94,19 @@ class AdaptiveRound:
                              rules, probe, remaining_B)
     return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
 
+  def watch_pays(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+    """[] bool, after a catch-up in hindsight: whether the plan drafts now. The plan runs
+    only where some row's first-draft estimate could pay: m drafts yield at most 1 + m * e1
+    tokens (each later draft's survival is at most the first's), so drafting needs
+    e1 > min over m of (cost of m drafts / plain step - 1) / m. A useless draft's stretch
+    then skips the plan's arithmetic at each of its catch-ups."""
+    table = self.config.cost_table
+    m_G = np.arange(1, len(table.drafting_G) + 1)
+    least_first = float(np.min((table.rounds_G / table.plain - 1.0) / m_G))
+    return cond_in_place(jnp.max(stats.estimate_BG[:, 0]) > least_first,
+                         lambda _: self.plan(stats, remaining_B, watch=True).drafts,
+                         lambda _: jnp.bool_(False), jnp.bool_(False))
+
   def never_drafts(self, stats: AdaptiveStats, remaining_B, *, watch: bool = False
                    ) -> jax.Array:
     """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
@@ -177,10 +190,10 @@ class AdaptiveRound:
 
     watch: each catch-up also says how the drafter's greedy drafts would have fared over
     the steps it covers (catch_up_with_hindsight); the estimates learn from that, as from
-    verified drafts, and the stretch ends after the first catch-up whose plan drafts. Its
-    catch-ups come after probe_every steps, then after as many as have run (up to the
-    widest window), so a drafter that starts paying is seen soon, and a useless one costs a
-    catch-up per CATCH_UP_WIDTHS[-1] steps: no probe verifies drafts that are rejected.
+    verified drafts, and the stretch ends after the first catch-up whose plan drafts. It
+    runs as long as a probing stretch would (steps_to_probe), and one that found nothing
+    stands for a probe that was not promising: no probe verifies drafts only to reject
+    them, and a useless draft's catch-ups stop where its probes would.
     -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
     rules = self.config.rules
@@ -220,9 +233,7 @@ class AdaptiveRound:
 
     def chunk(c):  # a stretch's steps up to its next catch-up, then the catch-up
       start, active_steps_B, s, _ = c
-      # watching: the first catch-up after probe_every steps, then after as many as ran
-      length = jnp.clip(start, rules.probe_every, window) if watch else window
-      stop = jnp.minimum(start + length, n)
+      stop = jnp.minimum(start + window, n)
       i, steps_B, s = jax.lax.while_loop(
           lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
@@ -232,27 +243,34 @@ class AdaptiveRound:
       if watch:
         stats = s.metrics.adaptive.learn_hindsight(*seen, rules.learning_rate)
         s = s.replace(metrics=s.metrics.replace(adaptive=stats))
-        remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
-        pays = self.plan(stats, remaining_B, watch=True).drafts
+        pays = self.watch_pays(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B))
       return i, steps_B, s, pays
 
     def chunks(c):
-      i, steps_B, s, _ = jax.lax.while_loop(
-          lambda c: (c[0] < n) & jnp.any(~c[2].done_B) & ~c[3], chunk, c + (jnp.bool_(False),))
-      return i, steps_B, s
+      return jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B) & ~c[3], chunk, c)
 
     def to_the_end(c):
       # nothing drafts after this stretch, so the drafter is neither told of its steps nor
       # caught up: generate's loop body alone (recording the target's features cost an EAGLE
       # or MTP drafter that never drafted ~20% of stories260K's step at batch 1)
-      return jax.lax.while_loop(lambda c: jnp.any(~c[2].done_B), stepper(record=False), c)
+      return jax.lax.while_loop(lambda c: jnp.any(~c[2].done_B), stepper(record=False),
+                                c[:3]) + (c[3],)
 
     zeros_B = jnp.zeros_like(s.pending_B)
-    carry = (jnp.int32(0), zeros_B, s)
+    carry = (jnp.int32(0), zeros_B, s, jnp.bool_(False))
     if self.config.final_draft_state:  # the caller reads the drafter's state after the run
-      steps, active_steps_B, new = chunks(carry)
+      steps, active_steps_B, new, pays = chunks(carry)
     else:
-      steps, active_steps_B, new = cond_in_place(n == _TO_THE_END, to_the_end, chunks, carry)
+      steps, active_steps_B, new, pays = cond_in_place(n == _TO_THE_END, to_the_end, chunks,
+                                                       carry)
+    if watch:
+      # a stretch that watched to its end without finding drafting worth it stands for a
+      # probe that was not promising: the wait before the next check grows as it would
+      stats = new.metrics.adaptive
+      checked = (steps >= n) & ~pays
+      grown = jnp.minimum(rules.probe_growth * stats.probe_interval, 64 * rules.probe_every)
+      new = new.replace(metrics=new.metrics.replace(adaptive=stats.replace(
+          probe_interval=jnp.where(checked, grown, stats.probe_interval))))
     new = new.replace(metrics=new.metrics.after_plain_steps(
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
