@@ -57,6 +57,10 @@ class AdaptiveStats:
         self.node_estimate_BZ, verified_BZ, on_path_BZ, learning_rate,
         active_B[:, None] & ~verified_BZ, prior, forget))
 
+  def grown_probe_interval(self, probe_growth: int, probe_every: int) -> jax.Array:
+    """The wait before the next probe after one that was not promising (up to 64x)."""
+    return jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every)
+
   def learn_hindsight(self, agree_BA, valid_BA, learning_rate: float) -> "AdaptiveStats":
     """After a plain stretch, from Drafter.catch_up_with_hindsight: agree_BA[b, a] whether
     the greedy draft from the a-th position was the token that followed (valid_BA: the
@@ -108,7 +112,7 @@ class AdaptiveStats:
       gamma_B = jnp.where(verified_B, jnp.clip(gamma_B + step_B, 1, gamma), gamma_B)
     # a probe that was not promising multiplies the wait before the next one (up to 64x);
     # one that was, or a round that drafts because drafting pays, brings it back
-    grown = jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every)
+    grown = self.grown_probe_interval(probe_growth, probe_every)
     interval = jnp.where(probe, jnp.where(promising, probe_every, grown),
                          jnp.where(drafted, probe_every, self.probe_interval))
     active_i = active_B.astype(jnp.int32)

@@ -46,8 +46,8 @@ from spec_jax.adaptive.config import (DEFAULT_GAMMA_MAX, AdaptiveConfig, Adaptiv
 from spec_jax.adaptive.planning import (AdmitInputs, RoundPlan, choose_tree_budget,
                                         drafting_can_pay, finishing_rounds, planned_drafts,
                                         probe_due, probe_was_promising, probe_window, row_rule,
-                                        schedule_length, steps_to_probe, stretch_steps,
-                                        verify_admitted, width_index)
+                                        schedule_length, steps_to_probe, verify_admitted,
+                                        width_index)
 from spec_jax.adaptive.rounds import CATCH_UP_WIDTHS, AdaptiveRound, AdaptiveTreeRound
 from spec_jax.adaptive.program import (adaptive_program_class, configure,
                                        keeping_draft_state)
@@ -86,7 +86,6 @@ __all__ = [
     "row_rule",
     "schedule_length",
     "steps_to_probe",
-    "stretch_steps",
     "timing_plan",
     "tree_widths",
     "verify_admitted",

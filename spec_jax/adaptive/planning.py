@@ -216,16 +216,6 @@ def steps_to_probe(stats, remaining_B, last_probe, can_probe) -> jax.Array:
   return jnp.where(can_probe & (jnp.max(remaining_B) - wait >= last_probe), wait, _TO_THE_END)
 
 
-def stretch_steps(stats, remaining_B, last_probe, can_probe, watch: bool) -> jax.Array:
-  """[] int32: how long a plain stretch may run before the round loop plans again, or
-  _TO_THE_END when nothing drafts after it: steps_to_probe, whether the stretch ends in a
-  probe or (watch) has learned in hindsight by then, ending itself earlier if drafting
-  pays. A watched stretch that did not find it worth it stands for a probe that was not
-  promising (the wait grows), so a useless draft's catch-ups stop where its probes would."""
-  del watch  # (the same schedule: checks at 8, 16, 32, ... idle steps)
-  return steps_to_probe(stats, remaining_B, last_probe, can_probe)
-
-
 def probe_was_promising(remaining_before_B, remaining_after_B, active_B, plain_cost,
                         extra_cost) -> jax.Array:
   """[] bool: a drafted round moved the batch's finish (the largest remaining budget of the

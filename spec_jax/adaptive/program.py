@@ -42,9 +42,7 @@ def _adaptive_program_class():
           or self.adaptive.final_draft_state):
         return init(prompt)
       stats = self.initial_stats(prompt.tokens_BP.shape[0])
-      watch = (not self.drafter.is_tree
-               and self.round_fn.watches(self.drafter, self.sampling))
-      never = self.round_fn.never_drafts(stats, remaining_tokens_B, watch=watch)
+      never = self.round_fn.never_drafts(stats, remaining_tokens_B)
       return cond_in_place(never, lambda state: state, lambda _: init(prompt),
                            zeros_like_outputs(init, prompt))
 

@@ -15,7 +15,7 @@ from spec_jax.adaptive.config import AdaptiveConfig
 from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, choose_tree_budget,
                                         drafting_can_pay, planned_drafts, probe_due,
                                         probe_was_promising, probe_window, row_rule,
-                                        schedule_length, stretch_steps, verify_admitted,
+                                        schedule_length, steps_to_probe, verify_admitted,
                                         width_index)
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
@@ -107,13 +107,13 @@ class AdaptiveRound:
                          lambda _: self.plan(stats, remaining_B, watch=True).drafts,
                          lambda _: jnp.bool_(False), jnp.bool_(False))
 
-  def never_drafts(self, stats: AdaptiveStats, remaining_B, *, watch: bool = False
-                   ) -> jax.Array:
+  def never_drafts(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
     """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
-    planned, no probe due now or later, nothing to watch), so no round of this run drafts."""
-    plan = self.plan(stats, remaining_B, watch=watch)
-    return ~plan.drafts & (stretch_steps(stats, remaining_B, plan.last_probe, plan.can_probe,
-                                         watch) == _TO_THE_END)
+    planned, no probe due now or later), so no round of this run drafts. (A watched run
+    checks in hindsight where a probing one would probe: steps_to_probe decides for both.)"""
+    plan = self.plan(stats, remaining_B)
+    return ~plan.drafts & (steps_to_probe(stats, remaining_B, plan.last_probe, plan.can_probe)
+                           == _TO_THE_END)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
                        round_cost, budget_B, catch_up_cost=0.0):
@@ -158,12 +158,12 @@ class AdaptiveRound:
     0.74-0.88x autoregressive on stories260K). Nothing the plan reads changes in a stretch,
     so ending it earlier would only plan no drafts again. A drafter that can skip rounds
     catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step. watch (see
-    `watches`): the stretch learns from each catch-up in hindsight, and ends when drafting
-    pays, or where a drafted round could no longer repay itself.
+    `watches`): the stretch learns from each catch-up in hindsight, and ends early when
+    drafting pays.
     -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B)."""
     stats: AdaptiveStats = s.metrics.adaptive
-    n = stretch_steps(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
-                      last_probe, can_probe, watch)
+    n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
+                       last_probe, can_probe)
     zeros_B = jnp.zeros_like(s.pending_B)
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
@@ -267,10 +267,9 @@ class AdaptiveRound:
       # a stretch that watched to its end without finding drafting worth it stands for a
       # probe that was not promising: the wait before the next check grows as it would
       stats = new.metrics.adaptive
-      checked = (steps >= n) & ~pays
-      grown = jnp.minimum(rules.probe_growth * stats.probe_interval, 64 * rules.probe_every)
+      grown = stats.grown_probe_interval(rules.probe_growth, rules.probe_every)
       new = new.replace(metrics=new.metrics.replace(adaptive=stats.replace(
-          probe_interval=jnp.where(checked, grown, stats.probe_interval))))
+          probe_interval=jnp.where((steps >= n) & ~pays, grown, stats.probe_interval))))
     new = new.replace(metrics=new.metrics.after_plain_steps(
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
