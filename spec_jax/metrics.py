@@ -61,7 +61,8 @@ class AdaptiveStats:
     """The wait before the next probe after one that was not promising (up to 64x)."""
     return jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every)
 
-  def learn_hindsight(self, agree_BA, valid_BA, learning_rate: float) -> "AdaptiveStats":
+  def learn_hindsight(self, agree_BA, valid_BA, learning_rate: float, *,
+                      later: bool = True) -> "AdaptiveStats":
     """After a plain stretch, from Drafter.catch_up_with_hindsight: agree_BA[b, a] whether
     the greedy draft from the a-th position was the token that followed (valid_BA: the
     stretch's positions, in order). The first draft's estimate learns each row's agreement
@@ -72,7 +73,8 @@ class AdaptiveStats:
     position left drafting plain on a prompt where probes found gamma 4's gains); assigning
     each agreement the depth a gamma_max-draft round would have met it at measured first
     drafts only just after misses (an estimate of 0.4 for a draft model that agreed 81% of
-    the time)."""
+    the time). later=False: the first draft's estimate alone (the drafter's hindsight does not
+    speak for its later drafts: Drafter.hindsight_speaks_for_later_drafts)."""
     count_B = jnp.sum(valid_BA, axis=1)
     rate_B = jnp.sum(valid_BA & agree_BA, axis=1) / jnp.maximum(count_B, 1)
     after_BA = valid_BA[:, 1:] & (valid_BA & agree_BA)[:, :-1]  # positions after an agreement
@@ -81,8 +83,9 @@ class AdaptiveStats:
     step = lambda n_B: (1.0 - (1.0 - learning_rate) ** n_B)[:, None]  # 0 where nothing seen
     first_B1 = self.estimate_BG[:, :1] + step(count_B) * (rate_B[:, None]
                                                           - self.estimate_BG[:, :1])
-    later_BG = self.estimate_BG[:, 1:] + step(after_B) * (run_B[:, None]
-                                                          - self.estimate_BG[:, 1:])
+    later_BG = self.estimate_BG[:, 1:]
+    if later:
+      later_BG = later_BG + step(after_B) * (run_B[:, None] - later_BG)
     estimate_BG = jnp.concatenate([first_B1, later_BG], axis=1)
     return self.replace(estimate_BG=estimate_BG.astype(self.estimate_BG.dtype))
 

@@ -400,7 +400,7 @@ def test_a_run_that_starts_plain_and_probes_later_prefills_its_drafter(stories,
 def test_hindsight_is_the_draft_models_greedy_guess(stories, story_prompts):
   """A draft model's catch-up says, for each position it feeds, whether its greedy next
   token is the token that followed: what one teacher-forced pass over the sequence says."""
-  from spec_jax.drafters.base import DraftContext, PromptInfo
+  from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo
   model, params = stories
   draft_params = perturbed(params, 0.15, seed=1)
   drafter = DraftModelDrafter(model)
@@ -417,11 +417,12 @@ def test_hindsight_is_the_draft_models_greedy_guess(stories, story_prompts):
   state = drafter.init(draft_params, PromptInfo(*map(jnp.asarray, prompts), seq_BS.shape[1]))
   ctx = DraftContext(jnp.asarray(seq_BS), jnp.asarray(lengths_B + steps),
                      jnp.asarray(seq_BS[np.arange(len(lengths_B)), lengths_B + steps]))
-  _, agree_BW = drafter.catch_up_with_hindsight(draft_params, state, ctx, rounds, gamma=4)
-  assert agree_BW.shape == (len(lengths_B), rounds + 1)
+  _, agree_BA = drafter.catch_up_with_hindsight(draft_params, state, ctx, rounds, gamma=4)
+  seen = HINDSIGHT_WIDTH  # guesses at the stretch's last positions (rounds + 1 > that)
+  assert agree_BA.shape == (len(lengths_B), seen) and rounds + 1 > seen
   for row, position in enumerate(lengths_B + steps):
-    np.testing.assert_array_equal(agree_BW[row], teacher_BS[row, position - rounds - 1:position])
-  assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
+    np.testing.assert_array_equal(agree_BA[row], teacher_BS[row, position - seen:position])
+  assert 0 < np.mean(agree_BA) < 1  # both outcomes occur: the comparison can fail
 
 
 def test_hindsight_estimates_learn_the_agreement_rates():
@@ -446,6 +447,12 @@ def test_hindsight_estimates_learn_the_agreement_rates():
   # row 1: 8 positions, 5 agree; 4 follow an agreement, 1 of them agrees
   np.testing.assert_allclose(new[1], [averaged(5 / 8, 8)] + [averaged(1 / 4, 4)] * 3, rtol=1e-6)
   np.testing.assert_allclose(new[2], 0.7, rtol=1e-6)  # nothing seen: unchanged
+  # a drafter whose hindsight speaks for its first draft alone (EAGLE): the later estimates
+  # keep what verified rounds taught them
+  first = np.asarray(stats.learn_hindsight(jnp.asarray(agree), jnp.asarray(valid), lr,
+                                           later=False).estimate_BG)
+  np.testing.assert_allclose(first[:, 0], new[:, 0], rtol=1e-6)
+  np.testing.assert_allclose(first[:, 1:], 0.7, rtol=1e-6)
 
 
 def test_watching_skips_the_plan_only_where_it_could_not_draft():

@@ -20,7 +20,7 @@ from conftest import REPO, STORIES_DIR, require_shared, tiny_llama
 from spec_jax.models.drafter_heads import HeadParams, shared_head
 from spec_jax.training import distill as td
 from spec_jax.losses import shift_left, target_outputs
-from spec_jax.drafters.base import DraftContext, PromptInfo
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo
 from spec_jax.drafters.eagle import EagleTreeDrafter
 from spec_jax.drafters.medusa import MedusaTreeDrafter
 from spec_jax.drafters.mtp import MTPTreeDrafter
@@ -499,7 +499,7 @@ def test_plain_stretches_keep_what_the_next_round_reads(stories, story_reference
   plain step (its catch_up, itself checked against propose's cache below): same tokens,
   same accepted drafts in every round."""
   import dataclasses
-  from spec_jax.adaptive import AdaptiveConfig
+  from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
   from spec_jax.engine import speculate
 
   model, params = stories
@@ -514,8 +514,9 @@ def test_plain_stretches_keep_what_the_next_round_reads(stories, story_reference
 
   assert spec.drafter.skips_rounds
   # costs where drafting pays only now and then: plain stretches between drafted rounds
+  # (probes in both: a drafter that catches up every step has no stretch to watch)
   auto = AdaptiveConfig(gamma_max=HEADS, target_costs=(1.0, 1.6, 2.0, 2.2), draft_cost=0.3,
-                        first_draft_cost=0.2)
+                        first_draft_cost=0.2, rules=AdaptiveRules(hindsight=False))
   drafters = (spec.drafter, EveryStep(spec.drafter.model))
   outs = [speculate(model, params, d, draft_params, *prompts, gamma=auto, max_new_tokens=NEW,
                     eos_id=1) for d in drafters]
@@ -528,6 +529,62 @@ def test_plain_stretches_keep_what_the_next_round_reads(stories, story_reference
   assert sum(widths.values()) > widths.get(1, 0)  # and drafted rounds
   assert (stretch["mean_accepted"], widths) == (step["mean_accepted"],
                                                  step["adaptive"]["width_rounds"])
+
+
+def test_eagle_hindsight_is_its_greedy_first_draft(stories, story_reference, trained):
+  """EAGLE's catch-up after a plain stretch says, for a round started at each pending
+  position of the stretch, whether EAGLE's greedy first draft there would have been the
+  token that followed: what propose drafts at that position. Its later drafts read EAGLE's
+  own predicted features, so its hindsight speaks for the first draft alone."""
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("eagle")
+  drafter, draft_params = spec.drafter, spec.draft_params(own, model, params)
+  assert drafter.has_hindsight and not drafter.hindsight_speaks_for_later_drafts
+  assert not EagleTreeDrafter(drafter.model, depth=2, top_k=2, nodes=4).has_hindsight
+  seq_BS = jnp.asarray(reference.sequences)
+  hidden, _ = _fresh_features(stories, seq_BS)
+  # every entry of EAGLE's cache exact (true features over the whole sequence)
+  state = drafter.init(draft_params, PromptInfo(seq_BS, jnp.asarray(prompts[1]),
+                                                seq_BS.shape[1], hidden))
+  rounds, steps = 8, 14
+  at_B = np.asarray(prompts[1]) + steps
+  rows = np.arange(len(at_B))
+  ctx = lambda pos_B: DraftContext(seq_BS, jnp.asarray(pos_B), seq_BS[rows, pos_B])
+  _, agree_BW = jax.jit(drafter.catch_up_with_hindsight, static_argnums=(3, 4))(
+      draft_params, state, ctx(at_B), rounds, 4)
+  seen = HINDSIGHT_WIDTH  # the stretch's last positions (rounds + 1 > that)
+  assert agree_BW.shape == (len(at_B), seen) and rounds + 1 > seen
+  propose = jax.jit(lambda ctx: drafter.propose(draft_params, state, ctx, 1, SamplingConfig(0.0),
+                                                jax.random.key(0))[0][:, 0])
+  for w in range(seen):
+    pending_B = at_B - seen + w
+    first_B = np.asarray(propose(ctx(pending_B)))
+    np.testing.assert_array_equal(agree_BW[:, w], first_B == np.asarray(seq_BS)[rows, pending_B + 1])
+  assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
+
+
+def test_eagle_watches_in_hindsight_and_stays_exact(stories, story_reference, trained):
+  """gamma="auto" with EAGLE, greedy: plain stretches learn the first draft's estimate in
+  hindsight (no probes), drafting resumes where it pays, and the output is the target's."""
+  from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
+  from spec_jax.engine import speculate
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("eagle")
+  # a prior below break-even (one draft: 1.2 tokens for 1.25 plain steps): only what the
+  # stretches see can make drafting pay
+  auto = AdaptiveConfig(gamma_max=HEADS, target_costs=(1.0, 1.2, 1.4, 1.6), draft_cost=0.1,
+                        first_draft_cost=0.05, rules=AdaptiveRules(prior=0.2, probe_every=4))
+  out = speculate(model, params, spec.drafter, spec.draft_params(own, model, params), *prompts,
+                  gamma=auto, max_new_tokens=NEW, eos_id=1)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  m = summarize(out.metrics)["adaptive"]
+  widths = m["width_rounds"]
+  # the prior plans no drafts and a watched run never probes: drafted rounds came from what
+  # the stretches learned
+  assert widths.get(1, 0) > 0 and sum(widths.values()) > widths[1], m
 
 
 # (EAGLE records its features with the same store_step_features as MTP: one family is

@@ -71,8 +71,9 @@ class AdaptiveRules:
   lookahead: the width scheduler's scan values lengths past each position with past rounds'
     estimates (schedule_length); False: it compares neighbours only, DSpark's scan.
   hindsight: in greedy runs of a drafter that reports its greedy guesses at each catch-up
-    (Drafter.has_hindsight: a draft model, a layer skip, a quantized target), plain
-    stretches learn the estimates from them, as a verified round of drafts would, and end
+    (Drafter.has_hindsight: a draft model, a layer skip, a quantized target, an EAGLE chain,
+    lookup + one of those), plain stretches learn the estimates from them (the last
+    HINDSIGHT_WIDTH positions of each catch-up), as a verified round of drafts would, and end
     when drafting pays: no probes. A stretch that found nothing counts as a probe that was
     not promising (the wait grows), so watching stops where probing would. Measured side
     by side (stop 39, one table each; the last run with these rules): the built-in pair's

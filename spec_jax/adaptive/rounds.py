@@ -20,7 +20,7 @@ from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, cho
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
                                     split_unless_greedy)
-from spec_jax.drafters.base import Drafter
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, Drafter
 from spec_jax.generate import decode_token, finite_prefix, remaining_tokens
 from spec_jax.metrics import AdaptiveStats
 
@@ -218,17 +218,19 @@ class AdaptiveRound:
             drafter.catch_up_after, draft_params, ctx=ctx, rounds=w, gamma=gamma)
             for w in CATCH_UP_WIDTHS], draft_state), None
 
+      seen = min(window + 1, HINDSIGHT_WIDTH)  # guesses at the last positions, at most
+
       def hindsight(w):  # agreements padded on the left to the widest window's
         def run(c):
-          state, agree_BW = drafter.catch_up_with_hindsight(draft_params, c[0], ctx, w, gamma)
-          return state, jnp.pad(agree_BW, ((0, 0), (window - w, 0)))
+          state, agree_BA = drafter.catch_up_with_hindsight(draft_params, c[0], ctx, w, gamma)
+          return state, jnp.pad(agree_BA, ((0, 0), (seen - agree_BA.shape[1], 0)))
         return run
 
-      zeros_BA = jnp.zeros((steps_B.shape[0], window + 1), bool)
+      zeros_BA = jnp.zeros((steps_B.shape[0], seen), bool)
       draft_state, agree_BA = switch_in_place(pick, [hindsight(w) for w in CATCH_UP_WIDTHS],
                                               (draft_state, zeros_BA))
       # each row's own steps of this chunk are the last of the window
-      valid_BA = jnp.arange(window + 1)[None, :] >= window + 1 - steps_B[:, None]
+      valid_BA = jnp.arange(seen)[None, :] >= seen - steps_B[:, None]
       return draft_state, (agree_BA, valid_BA)
 
     def chunk(c):  # a stretch's steps up to its next catch-up, then the catch-up
@@ -241,7 +243,8 @@ class AdaptiveRound:
       s = s.replace(draft_state=draft_state)
       pays = jnp.bool_(False)
       if watch:
-        stats = s.metrics.adaptive.learn_hindsight(*seen, rules.learning_rate)
+        stats = s.metrics.adaptive.learn_hindsight(
+            *seen, rules.learning_rate, later=drafter.hindsight_speaks_for_later_drafts)
         s = s.replace(metrics=s.metrics.replace(adaptive=stats))
         pays = self.watch_pays(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B))
       return i, steps_B, s, pays

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from spec_jax.core.sampling import (SamplingConfig, TokenHistory, process_logits, sample,
                                     warp_logits, warped_probs)
-from spec_jax.drafters.base import DraftContext, PromptInfo, RoundOutcome
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo, RoundOutcome
 
 
 def draw(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig,
@@ -172,17 +172,22 @@ def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: i
   """A draft model's catch-up after a plain stretch: the `width` known tokens before the
   pending one (positions L-width .. L-1) through `model` in one pass -> its cache, valid
   below L. Clamped at 0 early on: repeated (token 0, position 0) entries write the same
-  values. hindsight: -> (cache, agree_BW), whether the model's greedy next token at each
-  of those positions is the token that followed (Drafter.catch_up_with_hindsight)."""
+  values. hindsight: -> (cache, agree_BA), whether the model's greedy next token at each of
+  the last A = min(width, HINDSIGHT_WIDTH) of those positions is the token that followed
+  (Drafter.catch_up_with_hindsight): the window then runs as two passes, the second (the
+  last A tokens, attending to what the first wrote) with outputs."""
   window_BW = jnp.maximum(
       ctx.position_B[:, None] + jnp.arange(-width, 0, dtype=jnp.int32)[None, :], 0)
   tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
-  logits_BWV, _, cache = model.apply(params, tokens_BW, window_BW, cache)
-  cache = cache.with_length(ctx.position_B)
-  if not hindsight:  # (the logits are then dead code)
-    return cache
-  followed_BW = jnp.take_along_axis(ctx.seq_BS, window_BW + 1, axis=1)
-  return cache, jnp.argmax(logits_BWV, axis=-1).astype(jnp.int32) == followed_BW
+  if not hindsight:  # (the logits are dead code)
+    return model.apply(params, tokens_BW, window_BW, cache)[2].with_length(ctx.position_B)
+  split = width - min(width, HINDSIGHT_WIDTH)
+  if split:  # keys and values alone
+    cache = model.apply(params, tokens_BW[:, :split], window_BW[:, :split], cache)[2]
+  logits_BAV, _, cache = model.apply(params, tokens_BW[:, split:], window_BW[:, split:], cache)
+  followed_BA = jnp.take_along_axis(ctx.seq_BS, window_BW[:, split:] + 1, axis=1)
+  return (cache.with_length(ctx.position_B),
+          jnp.argmax(logits_BAV, axis=-1).astype(jnp.int32) == followed_BA)
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome, TreeDrafter
+from spec_jax.drafters.base import (HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo,
+                                   RoundOutcome, TreeDrafter)
 from spec_jax.drafters.common import (autoregressive_drafts, gather_positions, prompt_features,
                                      store_step_features, store_verified_features,
                                      tree_log_probs, window_positions)
@@ -87,6 +88,32 @@ def eagle_catch_up(model, params, state: EagleState, ctx: DraftContext, width: i
   return EagleState(cache.with_length(ctx.position_B), state.features_BSD)
 
 
+def eagle_catch_up_with_hindsight(model, params, state: EagleState, ctx: DraftContext,
+                                  rounds: int, gamma: int):
+  """eagle_catch_up over a stretch of `rounds` plain steps after a round of `gamma` drafts,
+  and whether EAGLE's greedy first draft would have been the token that followed, for a
+  round started at each of the last A = min(rounds + 1, HINDSIGHT_WIDTH) pending positions
+  L - A .. L - 1 -> (state, agree_BA). A round with pending token x_p drafts from the
+  element (f_{p-1}, x_p) at position p - 1, which the catch-up's window runs with true
+  features: the head on that element's predicted feature is that round's first draft
+  exactly, and it predicts x_{p+1}, known for every such p (x_L is the pending token)."""
+  width = gamma + 1 + rounds
+  seen = min(rounds + 1, HINDSIGHT_WIDTH)
+  split = width - 1 - seen  # elements p - 1 = L - 1 - seen .. L - 2, then L - 1's (dead)
+  pos_BW = window_positions(ctx.position_B, width)
+  features_BWD = gather_positions(state.features_BSD, pos_BW)
+  next_BW = gather_positions(ctx.seq_BS, pos_BW + 1)
+  # keys and values alone up to the split (the layer's outputs there are dead code)
+  cache = model.apply(params, features_BWD[:, :split], next_BW[:, :split], pos_BW[:, :split],
+                      state.cache, last_logits_only=True)[2]
+  _, feats_BUD, cache = model.apply(params, features_BWD[:, split:], next_BW[:, split:],
+                                    pos_BW[:, split:], cache, last_logits_only=True)
+  guess_BA = jnp.argmax(params.shared.logits(feats_BUD[:, :seen]), axis=-1)
+  followed_BA = gather_positions(ctx.seq_BS, pos_BW[:, split:-1] + 2)
+  state = EagleState(cache.with_length(ctx.position_B), state.features_BSD)
+  return state, guess_BA.astype(jnp.int32) == followed_BA
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(Drafter):
   model: object  # spec_jax.models.drafter_heads.EagleModel (hashable); params: HeadParams
@@ -128,6 +155,18 @@ class EagleDrafter(Drafter):
     # started there); L has since moved by at most gamma + 1 (that round) + rounds (the
     # stretch, whose features record_plain_step kept): one window reaches back to L_prev
     return eagle_catch_up(self.model, params, state, ctx, gamma + 1 + rounds)
+
+  @property
+  def has_hindsight(self) -> bool:
+    return True
+
+  def catch_up_with_hindsight(self, params, state: EagleState, ctx: DraftContext,
+                              rounds: int, gamma: int):
+    return eagle_catch_up_with_hindsight(self.model, params, state, ctx, rounds, gamma)
+
+  @property
+  def hindsight_speaks_for_later_drafts(self) -> bool:
+    return False  # later drafts read EAGLE's predicted features, the window's are the target's
 
   def record_plain_step(self, params, state: EagleState, hidden_BD, position_B,
                         fed_B) -> EagleState:
