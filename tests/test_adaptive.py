@@ -425,6 +425,48 @@ def test_hindsight_is_the_draft_models_greedy_guess(stories, story_prompts):
   assert 0 < np.mean(agree_BA) < 1  # both outcomes occur: the comparison can fail
 
 
+def test_a_combinations_hindsight_is_lookup_where_it_matches_else_the_model(
+    stories, story_prompts, reference_tokens):
+  """Lookup + a draft model: a round started at pending position p drafts lookup's copy
+  where lookup matches there, else the model's guess; the catch-up's agreements say
+  whether that first draft is the token that followed, per position."""
+  from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  model, params = stories
+  draft_params = perturbed(params, 0.15, seed=1)
+  drafter, both = make_drafter("lookup+draft_model", model, params, draft_model=model,
+                               draft_params=draft_params)
+  assert drafter.has_hindsight
+  # a passage the model repeats, twice, for rows where lookup matches
+  repeated = [1] + reference_tokens[131:160] * 2
+  prompts = pad_prompts(story_prompts[:3] + [repeated])
+  seq_BS = np.asarray(generate(model, params, *prompts, max_new_tokens=NEW).sequences)
+  positions = np.broadcast_to(np.arange(seq_BS.shape[1], dtype=np.int32), seq_BS.shape)
+  logits, _, _ = model.apply(draft_params, seq_BS, positions, model.init_cache(*seq_BS.shape))
+  model_guess_BS = np.argmax(np.asarray(logits), -1)
+  lengths_B = np.asarray(prompts[1])
+  at_B = lengths_B + 14  # the pending position after a stretch of 14 plain steps
+  state = drafter.init(both, PromptInfo(*map(jnp.asarray, prompts), seq_BS.shape[1]))
+  rows = np.arange(len(at_B))
+  ctx = lambda pos_B: DraftContext(jnp.asarray(seq_BS), jnp.asarray(pos_B),
+                                   jnp.asarray(seq_BS[rows, pos_B]))
+  _, agree_BA = drafter.catch_up_with_hindsight(both, state, ctx(at_B), 16, gamma=4)
+  assert agree_BA.shape == (len(at_B), HINDSIGHT_WIDTH)
+  lookup = drafter.primary
+  assert isinstance(lookup, PromptLookupDrafter) and lookup.min_ngram == 2
+  found_any = []
+  for a in range(HINDSIGHT_WIDTH):
+    p_B = at_B - HINDSIGHT_WIDTH + a
+    tokens_BG, _, found = lookup.propose(None, None, ctx(p_B), 1, SamplingConfig(0.0),
+                                         jax.random.key(0))
+    found_B = np.asarray(found.found_B)
+    first_B = np.where(found_B, np.asarray(tokens_BG)[:, 0], model_guess_BS[rows, p_B])
+    np.testing.assert_array_equal(agree_BA[:, a], first_B == seq_BS[rows, p_B + 1])
+    found_any.append(found_B)
+  found_any = np.asarray(found_any)
+  assert found_any.any() and not found_any.all()  # both kinds of rows: the test can fail
+
+
 def test_hindsight_estimates_learn_the_agreement_rates():
   """The first draft's estimate learns the agreement rate, the later ones the rate right
   after an agreement, each as that many moving-average steps towards it would; positions

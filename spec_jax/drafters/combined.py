@@ -31,7 +31,7 @@ from flax import struct
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
 from spec_jax.drafters.common import autoregressive_drafts
-from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, found_match
+from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, first_guesses, found_match
 from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
 from spec_jax.core.errors import BadArgument
@@ -171,6 +171,33 @@ class FallbackDrafter(Drafter):
     return FallbackState(
         self.primary.catch_up_after(params[0], state.primary, ctx, rounds, gamma),
         self.secondary.catch_up_after(params[1], state.secondary, ctx, rounds, gamma))
+
+  @property
+  def has_hindsight(self) -> bool:
+    # lookup where it matches, else a drafter that reports its own guesses
+    return (isinstance(self.primary, PromptLookupDrafter) and self.use_primary is found_match
+            and self.secondary.has_hindsight)
+
+  def catch_up_with_hindsight(self, params, state: FallbackState, ctx: DraftContext,
+                              rounds: int, gamma: int):
+    # a round started at pending position p drafts lookup's continuation where lookup
+    # matches there, else the secondary's guess: its first draft is accepted (greedy) when
+    # that one is the token that followed. (Lookup's later drafts are its copy, not
+    # re-searched after each token: the secondary's run rate stands for them.)
+    secondary, model_agree_BA = self.secondary.catch_up_with_hindsight(
+        params[1], state.secondary, ctx, rounds, gamma)
+    seen = model_agree_BA.shape[1]
+    pending_BA = ctx.position_B[:, None] - seen + jnp.arange(seen, dtype=jnp.int32)[None, :]
+    guess_BA, found_BA = first_guesses(ctx.seq_BS, pending_BA, self.primary.max_ngram,
+                                       self.primary.min_ngram)
+    followed_BA = jnp.take_along_axis(ctx.seq_BS, pending_BA + 1, axis=1)
+    agree_BA = jnp.where(found_BA, guess_BA == followed_BA, model_agree_BA)
+    primary = self.primary.catch_up_after(params[0], state.primary, ctx, rounds, gamma)
+    return FallbackState(primary, secondary), agree_BA
+
+  @property
+  def hindsight_speaks_for_later_drafts(self) -> bool:
+    return self.secondary.hindsight_speaks_for_later_drafts
 
   def record_plain_step(self, params, state: FallbackState, hidden_BD, position_B, fed_B):
     return FallbackState(
