@@ -218,19 +218,19 @@ class AdaptiveRound:
             drafter.catch_up_after, draft_params, ctx=ctx, rounds=w, gamma=gamma)
             for w in CATCH_UP_WIDTHS], draft_state), None
 
-      seen = min(window + 1, HINDSIGHT_WIDTH)  # guesses at the last positions, at most
+      guessed = min(window + 1, HINDSIGHT_WIDTH)  # positions with guesses, the last ones
 
       def hindsight(w):  # agreements padded on the left to the widest window's
         def run(c):
           state, agree_BA = drafter.catch_up_with_hindsight(draft_params, c[0], ctx, w, gamma)
-          return state, jnp.pad(agree_BA, ((0, 0), (seen - agree_BA.shape[1], 0)))
+          return state, jnp.pad(agree_BA, ((0, 0), (guessed - agree_BA.shape[1], 0)))
         return run
 
-      zeros_BA = jnp.zeros((steps_B.shape[0], seen), bool)
+      zeros_BA = jnp.zeros((steps_B.shape[0], guessed), bool)
       draft_state, agree_BA = switch_in_place(pick, [hindsight(w) for w in CATCH_UP_WIDTHS],
                                               (draft_state, zeros_BA))
       # each row's own steps of this chunk are the last of the window
-      valid_BA = jnp.arange(seen)[None, :] >= seen - steps_B[:, None]
+      valid_BA = jnp.arange(guessed)[None, :] >= guessed - steps_B[:, None]
       return draft_state, (agree_BA, valid_BA)
 
     def chunk(c):  # a stretch's steps up to its next catch-up, then the catch-up
