@@ -174,7 +174,7 @@ class Drafter:
 
   def catch_up_with_hindsight(self, params, state, ctx: DraftContext, rounds: int,
                               gamma: int) -> tuple[Any, jax.Array | None]:
-    """catch_up_after, and what it saw: agree_BW [B, A] bool, A = min(rounds + 1,
+    """catch_up_after, and what it saw: agree_BA [B, A] bool, A = min(rounds + 1,
     HINDSIGHT_WIDTH), entry w whether the draft this drafter makes greedily after the known
     tokens up to position L - A + w (teacher-forced on them) is the token that followed (the
     stretch's last A positions: the catch-up writes every position's keys and values, but

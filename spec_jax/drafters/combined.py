@@ -30,7 +30,7 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
-from spec_jax.drafters.common import autoregressive_drafts
+from spec_jax.drafters.common import autoregressive_drafts, window_positions
 from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, first_guesses, found_match
 from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
@@ -187,7 +187,7 @@ class FallbackDrafter(Drafter):
     secondary, model_agree_BA = self.secondary.catch_up_with_hindsight(
         params[1], state.secondary, ctx, rounds, gamma)
     seen = model_agree_BA.shape[1]
-    pending_BA = ctx.position_B[:, None] - seen + jnp.arange(seen, dtype=jnp.int32)[None, :]
+    pending_BA = window_positions(ctx.position_B, seen)  # L - seen .. L - 1
     guess_BA, found_BA = first_guesses(ctx.seq_BS, pending_BA, self.primary.max_ngram,
                                        self.primary.min_ngram)
     followed_BA = jnp.take_along_axis(ctx.seq_BS, pending_BA + 1, axis=1)

@@ -97,12 +97,12 @@ class DraftModelDrafter(Drafter):
 
   def catch_up_with_hindsight(self, params, state: DraftModelState, ctx: DraftContext,
                               rounds: int, gamma: int):
-    # the catch-up's pass has the model's logits at every fed position: its greedy guess of
-    # each next token, all of them known (the last fed position is L - 1, whose next token
-    # is the pending one)
-    cache, agree_BW = feed_tokens_before_pending(self.model, params, state.cache, ctx,
+    # the catch-up's second pass has the model's logits at the last fed positions: its
+    # greedy guess of each next token, all of them known (the last fed position is L - 1,
+    # whose next token is the pending one)
+    cache, agree_BA = feed_tokens_before_pending(self.model, params, state.cache, ctx,
                                                  rounds + 1, hindsight=True)
-    return DraftModelState(cache), agree_BW
+    return DraftModelState(cache), agree_BA
 
   def commit(self, params, state: DraftModelState, outcome: RoundOutcome) -> DraftModelState:
     # Slots L-1 .. L+gamma-1 were written with [prev, pending, d_1..d_{gamma-1}]; those up to

@@ -69,13 +69,19 @@ def eagle_init(model, params, prompt: PromptInfo) -> EagleState:
   return EagleState(cache.with_length(prompt.lengths_B - 1), features_BSD)
 
 
+def window_elements(state: EagleState, ctx: DraftContext, width: int):
+  """The true-feature window's elements at positions L-width .. L-1 -> (features [B,W,D],
+  next tokens [B,W], positions [B,W])."""
+  pos_BW = window_positions(ctx.position_B, width)
+  return (gather_positions(state.features_BSD, pos_BW), gather_positions(ctx.seq_BS, pos_BW + 1),
+          pos_BW)
+
+
 def eagle_window(model, params, state: EagleState, ctx: DraftContext, width: int):
   """Runs the true-feature window L-width .. L-1 -> (logits [B,V] of d_1, predicted f_L [B,D],
   cache). The caller sets the cache length (entries below L are then exact)."""
-  pos_BW = window_positions(ctx.position_B, width)
   logits_B1V, feats_BWD, cache = model.apply(
-      params, gather_positions(state.features_BSD, pos_BW),
-      gather_positions(ctx.seq_BS, pos_BW + 1), pos_BW, state.cache, last_logits_only=True)
+      params, *window_elements(state, ctx, width), state.cache, last_logits_only=True)
   return logits_B1V[:, 0], feats_BWD[:, -1], cache
 
 
@@ -100,9 +106,7 @@ def eagle_catch_up_with_hindsight(model, params, state: EagleState, ctx: DraftCo
   width = gamma + 1 + rounds
   seen = min(rounds + 1, HINDSIGHT_WIDTH)
   split = width - 1 - seen  # elements p - 1 = L - 1 - seen .. L - 2, then L - 1's (dead)
-  pos_BW = window_positions(ctx.position_B, width)
-  features_BWD = gather_positions(state.features_BSD, pos_BW)
-  next_BW = gather_positions(ctx.seq_BS, pos_BW + 1)
+  features_BWD, next_BW, pos_BW = window_elements(state, ctx, width)
   # keys and values alone up to the split (the layer's outputs there are dead code)
   cache = model.apply(params, features_BWD[:, :split], next_BW[:, :split], pos_BW[:, :split],
                       state.cache, last_logits_only=True)[2]
