@@ -12,6 +12,8 @@ from scipy import stats
 
 from conftest import STORIES_DIR, perturbed, require_shared, tiny_llama
 from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
+from spec_jax.engine import speculate
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
 from spec_jax.core.sampling import SamplingConfig, sample_from_probs, warped_probs
@@ -154,12 +156,17 @@ def test_bad_input(stories):
     with pytest.raises(ValueError, match="gamma"):
       speculative_generate(model, params, DraftModelDrafter(model), params, *prompts,
                            gamma=gamma, max_new_tokens=5)
-  with pytest.raises(ValueError, match="8 draft slots"):  # no room for gamma past the budget
+  with pytest.raises(ValueError, match="longer than the model's context of 512"):
     speculative_generate(model, params, DraftModelDrafter(model), params, *prompts, gamma=7,
-                         max_new_tokens=505)
-  with pytest.raises(ValueError, match="cache of 20 slots is too small"):
+                         max_new_tokens=510)
+  # a chain's block writes past the budget are dropped, so it needs no slots past it; a
+  # tree's nodes sit at slots ahead of their positions, so it does
+  tree = DraftModelTreeDrafter(model, depth=3, top_k=2, nodes=7)
+  with pytest.raises(ValueError, match="7 draft slots"):
+    speculate(model, params, tree, params, *prompts, max_new_tokens=505)
+  with pytest.raises(ValueError, match="cache of 12 slots is too small"):
     speculative_generate(model, params, DraftModelDrafter(model), params, *prompts, gamma=7,
-                         max_new_tokens=10, cache_len=20)
+                         max_new_tokens=10, cache_len=12)
 
 
 def test_incompatible_tokenizers_are_refused():

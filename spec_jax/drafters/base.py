@@ -132,8 +132,11 @@ class Drafter:
                      signature=signature if own is params else None)
 
   def extra_slots(self, gamma: int) -> int:
-    """Cache slots a round may write beyond the kept tokens (target: gamma drafts + 1)."""
-    return gamma + 1
+    """Cache slots past prompt width + max_new_tokens that a round needs. A chain needs none:
+    its token at position p lives in slot p, so a block's slots past the cache belong to
+    positions past every row's budget, whose writes are dropped and whose outputs nobody
+    keeps (a tree, whose node slots run ahead of their positions, overrides this)."""
+    return 0
 
   def init(self, params, prompt: PromptInfo) -> Any:
     raise NotImplementedError
