@@ -224,8 +224,8 @@ def test_stories260k_with_kv_heads_replicated(jobs):
   assert params["layers.0.attn.wk.kernel"] == [[None, None], [64, 32]]  # 4 KV heads: whole
   assert params["layers.0.mlp.w_gate.kernel"] == [[None, None], [64, 172]]  # rules: mlp=None
   assert params["embed"] == [["model", None], [64, 64]]
-  assert stories["cache"] == [[None, "data", None, None, None], [5, 5, 4, 8, 14]]
-  assert stories["cache_v"] == [[None, "data", None, None, None], [5, 5, 4, 8, 14]]
+  assert stories["cache"] == [[None, "data", None, None, None], [5, 5, 4, 8, 18]]
+  assert stories["cache_v"] == [[None, "data", None, None, None], [5, 5, 4, 8, 18]]
 
 
 def test_checkpoint_restores_into_the_sharding(jobs):
