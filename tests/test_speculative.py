@@ -56,7 +56,7 @@ def _draft(kind, stories):
 
 
 @pytest.mark.parametrize("kind", ["self", "noisy", "random"])
-@pytest.mark.parametrize("gamma", [1, 3, 5, 8])
+@pytest.mark.parametrize("gamma", [1, 3, 8])  # 8: past most rows' acceptance, near the budget
 def test_greedy_identity_stories260k(stories, story_reference, kind, gamma):
   model, params = stories
   prompts, reference = story_reference
