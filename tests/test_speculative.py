@@ -91,6 +91,22 @@ def test_per_row_budgets_and_eos_inside_accepted_block(stories, story_prompts):
   assert any(ended_by_eos) and not all(ended_by_eos)  # both ways of stopping occur
 
 
+def test_blocks_past_the_cache_end_are_dropped_and_change_nothing(stories, story_prompts):
+  """A chain's cache has exactly prompt width + max_new_tokens slots: a perfect draft at
+  gamma 8 drafts 9 tokens a round, so the last round of the longest row verifies a block
+  that runs past the cache's end. Those positions are past its budget: their writes are
+  dropped and nothing kept reads them."""
+  model, params = stories
+  prompts = pad_prompts(story_prompts)  # width = the longest prompt: that row ends at the end
+  new = 21  # not a multiple of 9: the last round's block overhangs
+  ar = generate(model, params, *prompts, max_new_tokens=new)
+  out, cache, _ = speculative_generate(model, params, DraftModelDrafter(model), params,
+                                       *prompts, gamma=8, max_new_tokens=new, return_state=True)
+  assert cache.max_len == prompts[0].shape[1] + new
+  assert np.array_equal(out.tokens, ar.tokens) and np.array_equal(out.num_tokens, ar.num_tokens)
+  assert summarize(out.metrics)["rounds"] == 3  # 9 + 9 + 3 tokens: every draft accepted
+
+
 def test_cache_invariant_after_generation(stories, story_prompts):
   """Target and draft caches up to each row's length equal a fresh prefill of those tokens."""
   model, params = stories
