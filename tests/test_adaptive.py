@@ -575,6 +575,26 @@ def test_bad_widths_are_refused():
       AdaptiveConfig(8, widths=widths).resolved()
 
 
+def test_equal_settings_prepare_the_same_program_object(stories):
+  # resolving and configuring are memoised: a second call hands jit's dispatch the very
+  # program of the first (no rebuild on the host); settings given as a list still resolve,
+  # uncached, to the same program
+  model, params = stories
+  drafter = DraftModelDrafter(model)
+  prompts = pad_prompts([[1, 2, 3]])
+  costs = dict(target_costs=(1.0, 1.2, 1.4, 1.6, 2.0), draft_cost=0.5)
+  first, _ = prepare_program(model, drafter, *prompts, gamma=AdaptiveConfig(8, **costs),
+                             max_new_tokens=4)
+  again, _ = prepare_program(model, drafter, *prompts, gamma=AdaptiveConfig(8, **costs),
+                             max_new_tokens=4)
+  listed, _ = prepare_program(model, drafter, *prompts, max_new_tokens=4,
+                              gamma=AdaptiveConfig(8, widths=[1, 2, 3, 5, 9], **costs))
+  assert again is first and listed == first
+  other, _ = prepare_program(model, drafter, *prompts, max_new_tokens=4,
+                             gamma=AdaptiveConfig(8, **dict(costs, draft_cost=0.25)))
+  assert other != first and other.adaptive.draft_cost == 0.25
+
+
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9)])
 def test_drafting_stops_at_max_drafts_with_the_same_drafts(sampling):
   # DraftContext.max_drafts: the while_loop that stops there draws exactly the scan's first
