@@ -22,8 +22,8 @@ from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters import registry
 from spec_jax.drafters.factory import make_drafter
 from spec_jax.drafters.registry import TreeOptions
-from spec_jax.speculative import (SpeculativeProgram, check_all_params, prepare,
-                                  speculative_jit)
+from spec_jax.speculative import (SpeculativeProgram, check_all_params, passed_draft_params,
+                                  prepare, speculative_jit)
 from spec_jax.tree_speculative import prepare_tree
 from spec_jax.tree_verify import verify_tree
 from spec_jax.verify import verify
@@ -90,7 +90,8 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
   program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
   if return_state:
     program = adaptive.keeping_draft_state(program)
-  out, cache, draft_state = speculative_jit(program, params, draft_params, *args,
+  out, cache, draft_state = speculative_jit(program, params,
+                                            passed_draft_params(params, draft_params), *args,
                                             keep_state=return_state)
   return (out, cache, draft_state) if return_state else out
 
@@ -102,7 +103,8 @@ def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_length
   check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   **settings)
-  return speculative_jit.lower(program, params, draft_params, *args, keep_state=False)
+  return speculative_jit.lower(program, params, passed_draft_params(params, draft_params),
+                              *args, keep_state=False)
 
 
 @dataclasses.dataclass(frozen=True)

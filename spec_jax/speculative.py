@@ -229,12 +229,36 @@ class SpeculativeProgram:
                             failed=state.failed_B)
 
 
+class _TargetParams:
+  """The draft params "the target's own" (TARGET_PARAMS): an empty pytree."""
+  __slots__ = ()
+
+  def __repr__(self):
+    return "TARGET_PARAMS"
+
+
+# speculative_jit's draft_params for a drafter that runs on the target's own params (a layer
+# skip): the call then passes, flattens and hands XLA the target's tensors once, not twice
+# (each params tree is ~50 Python callbacks and ~50 buffers a call: ~0.1-0.2 ms of a ~10 ms
+# stories260K generation)
+TARGET_PARAMS = _TargetParams()
+jax.tree_util.register_pytree_node(_TargetParams, lambda _: ((), None),
+                                   lambda _aux, _children: TARGET_PARAMS)
+
+
+def passed_draft_params(params, draft_params):
+  """What a call passes as draft_params: TARGET_PARAMS where they are the target's own."""
+  return TARGET_PARAMS if draft_params is params else draft_params
+
+
 @functools.partial(jax.jit, static_argnames=("program", "keep_state"))
 def speculative_jit(program: SpeculativeProgram, params, draft_params, tokens_BP, lengths_B,
                      budget_B, eos_id, pad_id, key, *, keep_state: bool = True):
   """-> (GenerationOutput, final target cache, final drafter state); keep_state=False: the
   two states are None (not outputs at all: each output array costs host time to hand back,
-  and a drafter's state holds many)."""
+  and a drafter's state holds many). draft_params may be TARGET_PARAMS: the target's own."""
+  if isinstance(draft_params, _TargetParams):
+    draft_params = params
   state = program.init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
   state = program.run(params, draft_params, lengths_B, budget_B, eos_id, state,
                       program.max_new_tokens)
@@ -297,6 +321,7 @@ def speculative_generate(target: CausalLM, params, drafter: Drafter, draft_param
                           max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                           key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                           verifier=verifier)
-  out, cache, draft_state = speculative_jit(program, params, draft_params, *args,
+  out, cache, draft_state = speculative_jit(program, params,
+                                            passed_draft_params(params, draft_params), *args,
                                             keep_state=return_state)
   return (out, cache, draft_state) if return_state else out

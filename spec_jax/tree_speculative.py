@@ -26,7 +26,7 @@ from spec_jax.core.kv_cache import KVCache, tree_mask
 from spec_jax.core.sampling import SamplingConfig, nonfinite_rows, process_logits
 from spec_jax.generate import EosIds, finite_prefix
 from spec_jax.speculative import (SpecState, commit_round, prepare, round_inputs,
-                                  speculative_jit)
+                                  passed_draft_params, speculative_jit)
 from spec_jax.tree import TokenTree
 from spec_jax.tree_verify import verify_tree
 
@@ -142,7 +142,8 @@ def tree_speculative_generate(target: CausalLM, params, drafter: TreeDrafter, dr
                                max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                                key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                                verifier=verifier)
-  out, cache, draft_state = speculative_jit(program, params, draft_params, *args,
+  out, cache, draft_state = speculative_jit(program, params,
+                                            passed_draft_params(params, draft_params), *args,
                                             keep_state=return_state)
   return (out, cache, draft_state) if return_state else out
 

@@ -13,7 +13,8 @@ from scipy import stats
 from conftest import STORIES_DIR, perturbed, require_shared, tiny_llama
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
-from spec_jax.engine import speculate
+from spec_jax.drafters.layer_skip import LayerSkipDrafter
+from spec_jax.engine import lower, speculate
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
 from spec_jax.core.sampling import SamplingConfig, sample_from_probs, warped_probs
@@ -143,6 +144,24 @@ def test_one_compilation_and_no_host_callbacks():
   hlo = speculative_jit.lower(program, params, params, *arrays).as_text()
   assert "while" in hlo
   assert "callback" not in hlo.lower() and "outfeed" not in hlo.lower()
+
+
+def test_a_drafter_on_the_target_params_is_handed_them_once():
+  # a layer skip drafts with the target's own params: the program takes one copy of their
+  # tensors (params given as another object, equal or not, are a second set), same output
+  model, params = tiny_llama(vocab_size=40, seed=2)
+  drafter = LayerSkipDrafter(model, 1)
+  prompts = pad_prompts([[1, 2, 3], [4]], width=6)
+  settings = dict(gamma=2, max_new_tokens=6)
+  twin = jax.tree.map(lambda x: x, params)  # the same arrays in another tree
+  shared = lower(model, params, drafter, params, *prompts, **settings)
+  separate = lower(model, params, drafter, twin, *prompts, **settings)
+  num_args = lambda lowered: len(jax.tree.leaves(lowered.args_info))
+  assert num_args(separate) - num_args(shared) == len(jax.tree.leaves(params)) > 10
+  out = speculate(model, params, drafter, params, *prompts, **settings)
+  assert np.array_equal(out.tokens, speculate(model, params, drafter, twin, *prompts,
+                                               **settings).tokens)
+  assert np.array_equal(out.tokens, generate(model, params, *prompts, max_new_tokens=6).tokens)
 
 
 def test_streaming_in_chunks_gives_the_same_result(stories, story_prompts):
