@@ -20,6 +20,7 @@ def _adaptive_program_class():
     a tree drafter, AdaptiveTreeRound (gamma = the tree's depth); the loop's carry holds the
     adaptive state in metrics.adaptive."""
     adaptive: AdaptiveConfig | None = None
+    __hash__ = SpeculativeProgram.__hash__  # (a dataclass would generate one hashing each call)
 
     def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key):
       state = super().init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
