@@ -199,6 +199,9 @@ class SpeculativeProgram:
       object.__setattr__(self, "_hash", cached)
     return cached
 
+  def __getstate__(self):  # a pickled program recomputes its hash (str hashes are per process)
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
   def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key) -> SpecState:
     seq_BS = initial_buffer(tokens_BP, self.cache_len)
     last_logits_BV, hidden_BPD, cache = prefill(self.target, params, tokens_BP, lengths_B,
