@@ -36,6 +36,21 @@ def default_costs(widths) -> tuple[float, ...]:
   return tuple(1.0 + 0.1 * (w - 1) for w in widths)
 
 
+def memoised_when_hashable(fn):
+  """fn with an lru_cache for hashable arguments (immutable settings); arguments that are not
+  hashable (settings given as lists) call fn uncached."""
+  cached = functools.lru_cache(maxsize=64)(fn)
+
+  @functools.wraps(fn)
+  def call(*args):
+    try:
+      hash(args)
+    except TypeError:
+      return fn(*args)
+    return cached(*args)
+  return call
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptiveRules:
   """Stopping rules and scheduler settings (hashable: part of the compiled program).
@@ -124,13 +139,11 @@ class AdaptiveConfig:
   # return_state sets it: keeping_draft_state).
   final_draft_state: bool = False
 
+  @memoised_when_hashable
   def resolved(self) -> "AdaptiveConfig":
     """Validated, with defaults filled in (raises ValueError with the reason). Memoised: each
     `speculate` call resolves its config twice, and a generation of ~10 ms on a small model
     feels the ~0.1 ms this takes on a cold host."""
-    return _resolved(self) if is_hashable(self) else self._resolve()
-
-  def _resolve(self) -> "AdaptiveConfig":
     g = DEFAULT_GAMMA_MAX if self.gamma_max is None else self.gamma_max
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
       raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
@@ -170,20 +183,6 @@ class AdaptiveConfig:
     target_W = np.asarray(self.target_cost_table(), np.float32)
     return CostTable(target_W, cost_of_lengths(self.widths, target_W),
                      drafting_costs(self.gamma_max, self.draft_cost, self.first_draft_cost))
-
-
-@functools.lru_cache(maxsize=64)
-def _resolved(config: AdaptiveConfig) -> AdaptiveConfig:
-  return config._resolve()
-
-
-def is_hashable(x) -> bool:
-  """Whether x can key a cache (settings given as lists cannot; they are resolved uncached)."""
-  try:
-    hash(x)
-  except TypeError:
-    return False
-  return True
 
 
 class CostTable(NamedTuple):

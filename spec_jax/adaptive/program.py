@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from spec_jax.adaptive.config import AdaptiveConfig, is_hashable
+from spec_jax.adaptive.config import AdaptiveConfig, memoised_when_hashable
 from spec_jax.adaptive.rounds import AdaptiveRound, AdaptiveTreeRound
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
 from spec_jax.metrics import AdaptiveStats
@@ -55,22 +55,12 @@ def adaptive_program_class():
   return _adaptive_program_class()
 
 
+@memoised_when_hashable
 def configure(program, config: AdaptiveConfig):
   """A program running adaptive rounds: a chain program prepared with gamma =
   config.gamma_max, or a tree program (its rounds then verify the tree cut to a node budget,
   or run plain steps: AdaptiveTreeRound). Memoised (programs and configs are immutable): the
   same settings come back as the same program, without rebuilding it on every call."""
-  if is_hashable((program, config)):
-    return _configured(program, config)
-  return _configure(program, config)
-
-
-@functools.lru_cache(maxsize=64)
-def _configured(program, config: AdaptiveConfig):
-  return _configure(program, config)
-
-
-def _configure(program, config: AdaptiveConfig):
   drafter = program.drafter
   if drafter.is_tree:
     config = dataclasses.replace(config, gamma_max=drafter.max_depth,
