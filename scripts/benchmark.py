@@ -81,11 +81,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--compile-workers", type=cli.positive_int, default=None,
                  help="programs compiled at once (default 1; quick 2, whose compile_s are then "
                       "contended wall times)")
+  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                 help="override one field of the scenarios' Plan (spec_jax.bench.scenarios), "
+                      "e.g. --set sw_batches=1,16 --set s1_kinds=draft_model; repeatable")
   args = p.parse_args(argv)
   args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
   unknown = [s for s in args.scenarios if s not in SCENARIOS]
   if unknown:
     p.error(f"unknown scenarios {unknown}; choose from {sorted(SCENARIOS)}")
+  try:
+    sc.override_plan(sc.Plan(), args.set)
+  except ValueError as e:
+    p.error(str(e))
   return args
 
 
@@ -101,7 +108,7 @@ def plan_of(args: argparse.Namespace) -> sc.Plan:
     plan = dataclasses.replace(plan, s3_dtype=args.dtype)
   if args.target_size is not None:
     plan = dataclasses.replace(plan, s3_target=sc.TARGET_SIZES[args.target_size])
-  return plan
+  return sc.override_plan(plan, args.set)
 
 
 def json_path_of(out: str) -> Path:

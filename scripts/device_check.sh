@@ -7,6 +7,9 @@
 #                                        # built-in pair (scenario 2)
 #   bash scripts/device_check.sh tests   # the test suite on the accelerator
 #   bash scripts/device_check.sh all     # both (stage limits: BENCH_S, TESTS_S, BUILTIN_S seconds)
+#   bash scripts/device_check.sh adaptive  # gamma="auto" against autoregressive: the batch
+#                                        # baseline, the batch sweeps, stories260K's drafters
+#                                        # (stage limits: ADAPTIVE_S, SWEEP_S seconds)
 #
 # Results go to $OUT (default runs/device). The tests need ../shared; where the checkout
 # travels alone, a copy at .device/shared is put there first.
@@ -42,6 +45,24 @@ bench_builtin() {
     || echo "bench builtin failed: $?"
   cat "$OUT/builtin/results.md" 2>/dev/null
 }
+bench_adaptive() {
+  # sized for a 15-minute lease. f32 models with full-precision matmuls (outputs are checked
+  # against autoregressive): the batch baseline at 1-256 rows (8); the built-in pair's batch
+  # sweep, draft model at gamma 4 and auto (7); stories260K's model drafters and layer skip
+  # at gamma 4, auto for the useless ones, batch 1 and 16 (1). Then the sweep's memory-bound
+  # target in bf16 at synthetic acceptance (LOSSY, engine only), in a process of default
+  # precision. Each auto program's warm-up measures its cost table (a few small compiles).
+  local sweep=(--set sw_batches=1,16,64 --set sw_gammas=4)
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${ADAPTIVE_S:-300}" python3 scripts/benchmark.py \
+    --scenarios 8,7,1 ${QUICK:+--quick} "${sweep[@]}" --set sw_kinds=draft_model \
+    --set sw_synthetic_alpha=none --set s1_kinds=draft_model,layer_skip --set s1_gammas=4 \
+    --set "s1_auto=draft model: random,layer skip" \
+    --repeats 5 --compile-workers 12 --out "$OUT/adaptive" || echo "bench adaptive failed: $?"
+  timeout "${SWEEP_S:-120}" python3 scripts/benchmark.py --scenarios 7 ${QUICK:+--quick} \
+    "${sweep[@]}" --set sw_kinds= --dtype bfloat16 --repeats 5 --compile-workers 12 \
+    --out "$OUT/sweep_bf16" || echo "bench sweep bf16 failed: $?"
+  cat "$OUT/adaptive/results.md" "$OUT/sweep_bf16/results.md" 2>/dev/null
+}
 run_tests() {
   # full-precision f32 matmuls: the tests' tolerances are float32's
   JAX_DEFAULT_MATMUL_PRECISION=highest OMP_NUM_THREADS=1 timeout "${TESTS_S:-1800}" \
@@ -53,5 +74,6 @@ case "$mode" in
   bench) bench_3b; bench_builtin ;;
   tests) run_tests ;;
   all) bench_3b; run_tests; bench_builtin ;;
-  *) echo "unknown mode $mode (bench | tests | all)"; exit 2 ;;
+  adaptive) bench_adaptive ;;
+  *) echo "unknown mode $mode (bench | tests | all | adaptive)"; exit 2 ;;
 esac

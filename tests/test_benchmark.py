@@ -315,3 +315,26 @@ def test_batch_baseline_scenario_reports_steps_per_batch():
     assert r["over_batch_16"] is None  # the quick plan has no batch 16
   text = "\n".join(sections.batch_baseline(result))
   assert "| batch | tok/s | ms per step |" in text and text.count("\n| ") >= 3, text
+
+
+def test_plan_fields_are_set_from_the_command_line():
+  from spec_jax.bench.scenarios import Plan, override_plan
+  plan = override_plan(Plan(), ["sw_batches=1,16,64", "s1_auto=draft model: random,layer skip",
+                                "sw_kinds=", "sw_synthetic_alpha=none", "s2_auto=false",
+                                "s3_dtype=bfloat16", "repeats=3", "s3_alphas=0.5,0.9"])
+  assert plan.sw_batches == (1, 16, 64) and plan.sw_kinds == () and plan.repeats == 3
+  assert plan.s1_auto == ("draft model: random", "layer skip")
+  assert plan.sw_synthetic_alpha is None and plan.s2_auto is False
+  assert plan.s3_dtype == "bfloat16" and plan.s3_alphas == (0.5, 0.9)
+  for bad, says in [("nope=1", "expected FIELD=VALUE"), ("repeats", "expected FIELD=VALUE"),
+                    ("repeats=many", "'many' is not an int"), ("s2_auto=maybe", "true or false"),
+                    ("s3_target=1", "not settable"), ("repeats=none", "not an int")]:
+    with pytest.raises(ValueError, match=says):
+      override_plan(Plan(), [bad])
+
+
+def test_benchmark_refuses_a_bad_plan_field_in_one_line():
+  proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--set", "sw_batches=1,x"],
+                        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == "error: --set 'sw_batches=1,x': 'x' is not an int"

@@ -119,6 +119,51 @@ QUICK = Plan(
     s4_models=("stories260K-shaped",), s4_gamma=3, s4_new=16,
     rm_prompts=1, rm_new=4, rm_batches=(1,), rm_drafters=("prompt_lookup",), rm_hf=1)
 
+def override_plan(plan: Plan, assignments: list[str]) -> Plan:
+  """`plan` with FIELD=VALUE assignments (scripts/benchmark.py --set) -> a new Plan. Tuples
+  are comma-separated ("" is empty), "none" clears an optional field; a field of dict type
+  (model shapes) is not settable here. Raises ValueError naming the bad assignment."""
+  hints = {f.name: str(f.type) for f in dataclasses.fields(Plan)}
+  changes = {}
+  for item in assignments:
+    name, eq, text = item.partition("=")
+    name, text = name.strip(), text.strip()
+    if not eq or name not in hints:
+      raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of "
+                       f"{sorted(n for n, t in hints.items() if 'dict' not in t)}")
+    hint = hints[name]
+    try:
+      changes[name] = _parse_field(hint, text)
+    except ValueError as e:
+      raise ValueError(f"--set {item!r}: {e}") from None
+  return dataclasses.replace(plan, **changes)
+
+
+def _parse_field(hint: str, text: str):
+  if "None" in hint and text.lower() == "none":
+    return None
+  if hint.startswith("dict"):
+    raise ValueError("model shapes are not settable from the command line")
+  if hint.startswith("tuple"):
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    scalar = "str" if "tuple[str" in hint else ("float" if "tuple[float" in hint else "int")
+    return tuple(_parse_scalar(scalar, p) for p in parts)
+  return _parse_scalar(hint.split(" ")[0], text)
+
+
+def _parse_scalar(kind: str, text: str):
+  if kind == "bool":
+    if text.lower() not in ("true", "false", "1", "0"):
+      raise ValueError(f"{text!r} is not true or false")
+    return text.lower() in ("true", "1")
+  if kind == "str":
+    return text
+  try:
+    return int(text) if kind == "int" else float(text)
+  except ValueError:
+    raise ValueError(f"{text!r} is not {'an int' if kind == 'int' else 'a number'}") from None
+
+
 # --target-size presets for scenarios 3 and 5 (a few billion parameters is for accelerators)
 TARGET_SIZES = {
     "300M": dict(vocab_size=32000, dim=1024, n_layers=22, n_heads=16, n_kv_heads=8,
