@@ -99,10 +99,13 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
 def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B,
           **settings) -> jax.stages.Lowered:
   """The lowered program `speculate` would run with these arguments (settings as there):
-  `.compile()` it ahead of time, or read `.as_text()`."""
-  check_all_params(target, params, drafter, draft_params)
+  `.compile()` it ahead of time, or read `.as_text()`. gamma="auto" without a cost table:
+  the table is measured here as `speculate` measures it (the table is part of the program),
+  so this compiles and times a few small programs first."""
+  signatures = check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   **settings)
+  program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
   return speculative_jit.lower(program, params, passed_draft_params(params, draft_params),
                               *args, keep_state=False)
 

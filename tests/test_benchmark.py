@@ -226,7 +226,9 @@ def test_benchmark_without_matplotlib_fails_before_computing(tmp_path):
 
 def test_a_case_runs_the_program_it_compiled_ahead_of_time():
   """compile_s times the very program the timed runs use: running a case after compile_case
-  compiles no generation program again (warm-up is not a hidden second compile)."""
+  compiles no generation program again (warm-up is not a hidden second compile). With
+  gamma="auto" that program carries the cost table its prepare step measured (engine.lower
+  measures it as speculate does)."""
   from spec_jax.bench import ar_case, compile_case, spec_case
   from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
   from spec_jax.generate import pad_prompts
@@ -234,9 +236,12 @@ def test_a_case_runs_the_program_it_compiled_ahead_of_time():
   model, params = tiny_llama()
   tokens, lengths = pad_prompts([[1, 2, 3], [1, 5]], width=8)
   common = dict(max_new_tokens=4, cache_len=16)
+  lookup = PromptLookupDrafter(3, 1)
+  auto = spec_case(model, params, lookup, None, gamma="auto", label="lookup, auto", **common)
+  assert auto.prepare is not None
+  auto.prepare(tokens, lengths)
   for case in (ar_case(model, params, **common),
-               spec_case(model, params, PromptLookupDrafter(3, 1), None, gamma=2, label="lookup",
-                         **common)):
+               spec_case(model, params, lookup, None, gamma=2, label="lookup", **common), auto):
     with CompileCounter() as counter:
       compile_case(case, tokens, lengths)
       compiled = counter.count("generate_jit", "speculative_jit")

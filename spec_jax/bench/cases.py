@@ -33,6 +33,9 @@ class Case:
   run: Callable[[np.ndarray, np.ndarray], Any]  # (tokens, lengths) -> output with .tokens
   lower: Callable[[np.ndarray, np.ndarray], Any] | None  # AOT lowering; None: not JAX
   info: dict  # copied into the case's record (method, drafter, gamma, batch, ...)
+  # run once before any case compiles, one case at a time (gamma="auto": measures the cost
+  # table, whose timings must not share the cores with other cases' compiles)
+  prepare: Callable[[np.ndarray, np.ndarray], Any] | None = None
 
 
 def ar_case(model, params, *, max_new_tokens: int, cache_len: int, label="autoregressive",
@@ -69,15 +72,22 @@ def spec_case(model, params, spec_drafter, draft_params, *, gamma,
       return speculate(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
     return speculative_generate(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
 
+  def measure_costs(tokens, lengths):
+    from spec_jax.adaptive import with_measured_costs
+    from spec_jax.engine import prepare_program
+    program, args = prepare_program(model, spec_drafter, tokens, lengths, **kw)
+    with_measured_costs(program, params, draft_params, args)
+
   def lower(tokens, lengths):
     if adaptive:
-      from spec_jax.engine import lower as lower_auto
+      from spec_jax.engine import lower as lower_auto  # (the table measured: a cache hit)
       return lower_auto(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
     program, args = prepare(model, spec_drafter, tokens, lengths, sampling=GREEDY, eos_id=None,
                             key=None, budgets_B=None, pad_id=0, **kw)
     return speculative_jit.lower(program, params, draft_params, *args, keep_state=False)
 
-  return Case(label, run, lower, {"method": "speculative", "gamma": gamma, **info})
+  return Case(label, run, lower, {"method": "speculative", "gamma": gamma, **info},
+              prepare=measure_costs if adaptive else None)
 
 
 def prompt_sets(prompts: list[list[int]], batch: int, width: int) -> tuple[PromptSet, PromptSet]:
@@ -99,6 +109,18 @@ def compile_case(case: Case, tokens, lengths) -> dict:
   if case.lower is None:
     return {"lower_s": None, "compile_s": None, "compile_cached": None}
   return timed_compile(lambda: case.lower(tokens, lengths))[1]
+
+
+def prepare_case(case: Case, tokens, lengths, tag: str) -> dict | Exception:
+  """Runs the case's `prepare` (timed: {"prepare_s"}; None where it has none), or returns the
+  exception it raised."""
+  if case.prepare is None:
+    return {"prepare_s": None}
+  try:
+    return {"prepare_s": timed(lambda: case.prepare(tokens, lengths))[1]}
+  except Exception as e:  # noqa: BLE001  one broken drafter must not sink the benchmark
+    log(f"[{tag}] {case.label}: FAILED to prepare ({type(e).__name__}: {e})")
+    return e
 
 
 def compile_all(cases: list[Case], tokens, lengths, workers: int, tag: str) -> list:
@@ -149,19 +171,26 @@ def run_group(cases: list[Case], measure_sets: list[PromptSet], check_sets: list
   that fails to build or run keeps an error record and no outputs (None).
   """
   records, live = [], []
-  compiled = compile_all(cases, *measure_sets[0], workers, tag)
-  for case, timing in zip(cases, compiled):
+  prepared = [prepare_case(case, *measure_sets[0], tag) for case in cases]
+  compiled = compile_all([c for c, p in zip(cases, prepared) if not isinstance(p, Exception)],
+                         *measure_sets[0], workers, tag)
+  compiled_by_case = iter(compiled)
+  for case, prep in zip(cases, prepared):
     rec = {"label": case.label, **case.info}
+    timing = prep if isinstance(prep, Exception) else next(compiled_by_case)
     try:
       if isinstance(timing, Exception):
         raise timing
+      rec.update(prep)
       rec.update(timing, compile_workers=workers if case.lower is not None else None)
       rec.update(warm_up(case, measure_sets, check_sets))
     except Exception as e:  # noqa: BLE001  one broken drafter must not sink the benchmark
       records.append({**rec, "error": f"{type(e).__name__}: {e}"})
       continue
     cached = " (in-process cache hit)" if rec["compile_cached"] else ""
-    log(f"[{tag}] {case.label}: compile {_fmt(rec['compile_s'])} s{cached}, warm-up "
+    table = (f"cost table {rec['prepare_s']:.2f} s, " if rec["prepare_s"] is not None
+             else "")
+    log(f"[{tag}] {case.label}: {table}compile {_fmt(rec['compile_s'])} s{cached}, warm-up "
         f"{rec['warmup_s']:.3f} s")
     records.append(rec)
     live.append((case, rec))
