@@ -93,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="keep compiled programs in DIR, so later runs skip compiling "
                       f"(default {cli.DEFAULT_COMPILE_CACHE}; 'off': none; a "
                       "JAX_COMPILATION_CACHE_DIR already set wins)")
+  p.add_argument("--cost-tables", default=cli.DEFAULT_COST_TABLES, metavar="DIR",
+                 help="keep --gamma auto's measured cost tables in DIR, so later runs on this "
+                      f"machine skip timing them (default {cli.DEFAULT_COST_TABLES}; 'off': "
+                      "none; delete the folder to measure again)")
   return p.parse_args(argv)
 
 
@@ -180,6 +184,7 @@ def timed(runs: dict, repeats: int) -> dict:
 def main(argv=None) -> int:
   args = parse_args(argv)
   cli.enable_compile_cache(args.compile_cache)
+  cli.enable_cost_tables(args.cost_tables)
   sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
   target, params, tokenizer, builtin_draft = load_target_and_tokenizer(args)
   kind, drafter, draft_params = make_drafter(args, target, params, tokenizer, builtin_draft)

@@ -178,6 +178,16 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
 
 # where commands keep compiled programs unless told otherwise ("off": nowhere)
 DEFAULT_COMPILE_CACHE = os.environ.get("SPEC_JAX_COMPILE_CACHE", "~/.cache/spec_jax/xla")
+DEFAULT_COST_TABLES = os.environ.get("SPEC_JAX_COST_TABLES", "~/.cache/spec_jax/cost_tables")
+
+
+def enable_cost_tables(folder: str | None) -> str | None:
+  """Keeps gamma="auto"'s measured cost tables on disk (spec_jax.adaptive.cost_store), so a
+  later run on this machine skips timing them and, the table being part of the program, can
+  load the compiled program from the compilation cache. folder: a directory, or None / "off"
+  for none. Returns the folder in use, or None."""
+  from spec_jax.adaptive import keep_cost_tables
+  return keep_cost_tables(None if folder in (None, "off") else folder)
 
 
 def enable_compile_cache(folder: str | None) -> str | None:

@@ -24,6 +24,7 @@ if (os.environ.get("SPEC_JAX_TEST_OPTIMIZED") != "1"
 # the command lines the tests run (in subprocesses too) keep no compiled programs in the
 # user's cache folder (scripts/generate.py --compile-cache); one test checks that cache itself
 os.environ.setdefault("SPEC_JAX_COMPILE_CACHE", "off")
+os.environ.setdefault("SPEC_JAX_COST_TABLES", "off")  # likewise (spec_jax.adaptive.cost_store)
 
 from spec_jax.testing import (  # noqa: F401  re-exported for the test modules
     REFERENCE_DIR, REFERENCE_STEM, REPO, SHARED, STORIES_DIR, perturbed, tiny_llama)

@@ -4,6 +4,7 @@ leaky rules caught, one compile with every width reachable, the cost table valid
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,70 @@ def test_measured_target_costs_never_fall_with_width(small_pair, monkeypatch):
   # the drafted rounds at widths 2, 3, 5 drafted 1, 2, 4 (charged 0.5, 2/3 and 1.0 on the
   # line through the two propose points), which the table does not keep: 1.5, 10/3, 2.5
   assert costs == pytest.approx((3.0, 3.0, 10 / 3, 10 / 3)) and (draft, first) == (1.0, 0.5)
+
+
+def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, monkeypatch,
+                                                                   tmp_path, capsys):
+  """With a folder set, a measured table is written once and read back by a later process
+  (here: an emptied in-memory cache) without timing anything; the key names the program
+  the same way in another process (no object addresses, no hash-ordered sets); a file that
+  is broken or does not fit is reported and measured again, never used."""
+  import json
+  import subprocess
+  import sys
+  from spec_jax import adaptive
+  from spec_jax.adaptive import cost_store
+  target, tp, draft_model, dp = small_pair
+  program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
+                                  gamma=AdaptiveConfig(2, widths=(1, 3)), max_new_tokens=4)
+  monkeypatch.setattr(cost_store, "_FOLDER", [None])
+  assert adaptive.keep_cost_tables(str(tmp_path / "tables")) == str(tmp_path / "tables")
+  monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
+  measured = adaptive.measure_costs(program, tp, dp, args, repeats=1)
+  (stored,) = (tmp_path / "tables").iterdir()
+  data = json.loads(stored.read_text())
+  assert tuple(data["target_costs"]) == measured[0]
+  assert " at 0x" not in data["key"] and "function verify" in data["key"]
+
+  def no_timing(thunks, repeats):
+    raise AssertionError("timed a table that was stored")
+  real_timing = adaptive.costs._interleaved_seconds
+  monkeypatch.setattr(adaptive.costs, "_interleaved_seconds", no_timing)
+  monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
+  assert adaptive.measure_costs(program, tp, dp, args, repeats=1) == measured
+
+  for broken, says in [("{not json", "Expecting property name"),
+                       (json.dumps({**data, "target_costs": [1.0]}), "1 target costs for 2"),
+                       (json.dumps({**data, "draft_cost": -1.0}), "a cost is not a positive finite"),
+                       (json.dumps({**data, "key": "other"}), "it was written for another program")]:
+    stored.write_text(broken)
+    monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
+    monkeypatch.setattr(adaptive.costs, "_interleaved_seconds", real_timing)
+    capsys.readouterr()
+    costs, draft, first = adaptive.measure_costs(program, tp, dp, args, repeats=1)
+    assert f"ignoring the stored cost table {stored} ({says}" in capsys.readouterr().err
+    assert len(costs) == 2 and json.loads(stored.read_text())["draft_cost"] == draft > 0
+
+  # another process names the same program with the same key
+  from spec_jax.core.pytree_names import params_signature
+  shapes = f"vocab_size={target.vocab_size}, dim=16, n_heads=2, n_kv_heads=1, hidden_dim=32"
+  code = ("from spec_jax.adaptive import cost_store; from spec_jax.testing import tiny_llama; "
+          "from spec_jax.drafters.draft_model import DraftModelDrafter; "
+          "from spec_jax.engine import prepare_program; from spec_jax.generate import pad_prompts; "
+          "from spec_jax.adaptive import AdaptiveConfig; import sys; "
+          "from spec_jax.core.pytree_names import params_signature; "
+          f"m, mp = tiny_llama({shapes}, n_layers=2, seed=11); "
+          f"d, _ = tiny_llama({shapes}, n_layers=1, seed=12); "
+          "p, a = prepare_program(m, DraftModelDrafter(d), *pad_prompts([[1, 2]]), "
+          "gamma=AdaptiveConfig(2, widths=(1, 3)), max_new_tokens=4); "
+          "sys.stdout.write(cost_store.stable_key((p.target, p.drafter, p.sampling, p.verifier, "
+          "params_signature(mp))))")
+  mine = cost_store.stable_key((program.target, program.drafter, program.sampling,
+                                program.verifier, params_signature(tp)))
+  other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONHASHSEED": "12345"})
+  assert other.returncode == 0, other.stderr
+  assert other.stdout == mine
 
 
 class EveryRoundDraftModel(DraftModelDrafter):

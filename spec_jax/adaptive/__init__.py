@@ -36,7 +36,8 @@ tests/test_adaptive.py checks this with the distribution test, and keeps two lea
 
 Modules: `config` (widths, rules, the cost table's shape), `planning` (what a round decides,
 from past rounds only), `rounds` (the chain and tree round functions), `program` (programs
-that run them), `costs` (timing the cost table at start-up).
+that run them), `costs` (timing the cost table at start-up), `cost_store` (measured tables
+kept on disk for later processes: `keep_cost_tables`).
 """
 
 from spec_jax.adaptive.config import (DEFAULT_GAMMA_MAX, AdaptiveConfig, AdaptiveRules,
@@ -51,6 +52,7 @@ from spec_jax.adaptive.planning import (AdmitInputs, RoundPlan, choose_tree_budg
 from spec_jax.adaptive.rounds import CATCH_UP_WIDTHS, AdaptiveRound, AdaptiveTreeRound
 from spec_jax.adaptive.program import (adaptive_program_class, configure,
                                        keeping_draft_state)
+from spec_jax.adaptive.cost_store import keep_cost_tables
 from spec_jax.adaptive.costs import (LOOP_PASSES, MEASURE_SECONDS, measure_costs, timing_plan,
                                      with_measured_costs)
 
@@ -74,6 +76,7 @@ __all__ = [
     "drafting_can_pay",
     "drafting_costs",
     "finishing_rounds",
+    "keep_cost_tables",
     "keeping_draft_state",
     "LOOP_PASSES",
     "measure_costs",

@@ -12,6 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from spec_jax.adaptive import cost_store
 from spec_jax.adaptive.config import drafting_costs
 from spec_jax.adaptive.program import configure
 from spec_jax.adaptive.rounds import AdaptiveRound
@@ -101,6 +102,15 @@ def measure_costs(program, params, draft_params, args, repeats: int = 15,
                program.cache_len, cfg.widths, tokens_BP.shape, signatures)
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
+  disk_key = None
+  if cost_store.cost_table_folder() is not None:  # measured by an earlier process?
+    first_leaf = jax.tree_util.tree_leaves(params)[:1]
+    placement = repr(getattr(first_leaf[0], "sharding", None)) if first_leaf else None
+    disk_key = cost_store.stable_key(cache_key + (placement,))
+    stored = cost_store.load(disk_key, len(cfg.widths))
+    if stored is not None:
+      _MEASURED[cache_key] = stored
+      return stored
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
   target, drafter, sampling = program.target, program.drafter, program.sampling
 
@@ -191,6 +201,8 @@ def measure_costs(program, params, draft_params, args, repeats: int = 15,
   # useless draft would look worth trying in every round
   costs = tuple(itertools.accumulate(seconds[:len(cfg.widths)], max))
   _MEASURED[cache_key] = costs, draft, first
+  if disk_key is not None:
+    cost_store.save(disk_key, costs, draft, first)
   return costs, draft, first
 
 
