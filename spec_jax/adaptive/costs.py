@@ -17,6 +17,7 @@ from spec_jax.adaptive.config import drafting_costs
 from spec_jax.adaptive.program import configure
 from spec_jax.adaptive.rounds import AdaptiveRound
 from spec_jax.core.pytree_names import params_signature
+from spec_jax.core.sampling import greedy
 from spec_jax.drafters.base import DraftContext
 
 _MEASURED: dict = {}
@@ -122,7 +123,7 @@ def measure_costs(program, params, draft_params, args, repeats: int = 15,
       cache, token_B = c
       tokens_BW = jnp.broadcast_to(token_B[:, None], positions_BW.shape)
       logits_BWV, _, cache = target.apply(params, tokens_BW, positions_BW, cache)
-      return cache, jnp.argmax(logits_BWV[:, -1], axis=-1).astype(jnp.int32)
+      return cache, greedy(logits_BWV[:, -1])
 
     return jax.lax.fori_loop(0, passes, one, (cache, jnp.zeros_like(length_B)))[1]
 

@@ -8,8 +8,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from spec_jax.core.sampling import (SamplingConfig, TokenHistory, process_logits, sample,
-                                    warp_logits, warped_probs)
+from spec_jax.core.sampling import (SamplingConfig, TokenHistory, greedy, process_logits,
+                                    sample, warp_logits, warped_probs)
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo, RoundOutcome
 
 
@@ -187,7 +187,7 @@ def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: i
   logits_BAV, _, cache = model.apply(params, tokens_BW[:, split:], window_BW[:, split:], cache)
   followed_BA = jnp.take_along_axis(ctx.seq_BS, window_BW[:, split:] + 1, axis=1)
   return (cache.with_length(ctx.position_B),
-          jnp.argmax(logits_BAV, axis=-1).astype(jnp.int32) == followed_BA)
+          greedy(logits_BAV) == followed_BA)
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:

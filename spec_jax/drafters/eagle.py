@@ -46,7 +46,7 @@ from spec_jax.losses import (TargetOutputs, positions_of, shift_left, smooth_l1,
 from spec_jax.models.drafter_heads import EagleConfig, EagleModel
 from spec_jax.models.llama import LlamaConfig
 from spec_jax.core.kv_cache import KVCache, tree_mask
-from spec_jax.core.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig, greedy
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
 
@@ -112,7 +112,7 @@ def eagle_catch_up_with_hindsight(model, params, state: EagleState, ctx: DraftCo
                       state.cache, last_logits_only=True)[2]
   _, feats_BUD, cache = model.apply(params, features_BWD[:, split:], next_BW[:, split:],
                                     pos_BW[:, split:], cache, last_logits_only=True)
-  guess_BA = jnp.argmax(params.shared.logits(feats_BUD[:, :seen]), axis=-1)
+  guess_BA = greedy(params.shared.logits(feats_BUD[:, :seen]))
   followed_BA = gather_positions(ctx.seq_BS, pos_BW[:, split:-1] + 2)
   state = EagleState(cache.with_length(ctx.position_B), state.features_BSD)
   return state, guess_BA.astype(jnp.int32) == followed_BA
