@@ -51,7 +51,8 @@ bench_adaptive() {
   # sweep, draft model at gamma 4 and auto (7); stories260K's model drafters and layer skip
   # at gamma 4, auto for the useless ones, batch 1 and 16 (1). Then the sweep's memory-bound
   # target in bf16 at synthetic acceptance (LOSSY, engine only), in a process of default
-  # precision. Each auto program's warm-up measures its cost table (a few small compiles).
+  # precision. Each auto case's cost table is measured before the compile threads start (a
+  # few small compiles and ~4 s of timing; logged as "cost table", recorded as prepare_s).
   local sweep=(--set sw_batches=1,16,64 --set sw_gammas=4)
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${ADAPTIVE_S:-300}" python3 scripts/benchmark.py \
     --scenarios 8,7,1 ${QUICK:+--quick} "${sweep[@]}" --set sw_kinds=draft_model \

@@ -14,8 +14,10 @@ hashable program and its array arguments; `speculative_jit(program, params, draf
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
+import numpy as np
 
 from spec_jax import adaptive
 from spec_jax.core.sampling import SamplingConfig
@@ -101,13 +103,28 @@ def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_length
   """The lowered program `speculate` would run with these arguments (settings as there):
   `.compile()` it ahead of time, or read `.as_text()`. gamma="auto" without a cost table:
   the table is measured here as `speculate` measures it (the table is part of the program),
-  so this compiles and times a few small programs first."""
+  so this compiles and times a few small programs first; with abstract params
+  (jax.ShapeDtypeStruct) nothing can be timed, and the program keeps the default table,
+  with a warning (pass an AdaptiveConfig with target_costs to lower the one you will run)."""
   signatures = check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   **settings)
-  program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
+  cfg = getattr(program, "adaptive", None)
+  if cfg is not None and cfg.target_costs is None and not _concrete((params, draft_params)):
+    warnings.warn("lowering gamma='auto' with abstract params: its cost table cannot be "
+                  "measured, so this program has the default table, not the one speculate "
+                  "would measure and run", stacklevel=2)
+  else:
+    program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
   return speculative_jit.lower(program, params, passed_draft_params(params, draft_params),
                               *args, keep_state=False)
+
+
+def _concrete(tree) -> bool:
+  """Every leaf holds values (arrays or numbers, not jax.ShapeDtypeStruct or a tracer)."""
+  return all(isinstance(x, (np.ndarray, np.generic, int, float))
+             or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+             for x in jax.tree_util.tree_leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,8 +142,12 @@ def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, m
   monkeypatch.setattr(cost_store, "_FOLDER", [None])
   assert adaptive.keep_cost_tables(str(tmp_path / "tables")) == str(tmp_path / "tables")
   monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
-  measured = adaptive.measure_costs(program, tp, dp, args, repeats=1)
+  measured = adaptive.measure_costs(program, tp, dp, args)
   (stored,) = (tmp_path / "tables").iterdir()
+  # a shortened measurement (fewer repeats) is neither stored nor read
+  monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
+  adaptive.measure_costs(program, tp, dp, args, repeats=1)
+  assert list((tmp_path / "tables").iterdir()) == [stored]
   data = json.loads(stored.read_text())
   assert tuple(data["target_costs"]) == measured[0]
   assert " at 0x" not in data["key"] and "function verify" in data["key"]
@@ -153,7 +157,7 @@ def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, m
   real_timing = adaptive.costs._interleaved_seconds
   monkeypatch.setattr(adaptive.costs, "_interleaved_seconds", no_timing)
   monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
-  assert adaptive.measure_costs(program, tp, dp, args, repeats=1) == measured
+  assert adaptive.measure_costs(program, tp, dp, args) == measured
 
   for broken, says in [("{not json", "Expecting property name"),
                        (json.dumps({**data, "target_costs": [1.0]}), "1 target costs for 2"),
@@ -163,9 +167,17 @@ def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, m
     monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
     monkeypatch.setattr(adaptive.costs, "_interleaved_seconds", real_timing)
     capsys.readouterr()
-    costs, draft, first = adaptive.measure_costs(program, tp, dp, args, repeats=1)
+    costs, draft, first = adaptive.measure_costs(program, tp, dp, args)
     assert f"ignoring the stored cost table {stored} ({says}" in capsys.readouterr().err
     assert len(costs) == 2 and json.loads(stored.read_text())["draft_cost"] == draft > 0
+
+  # what no text names across processes is not stored; a function is named with its module
+  assert cost_store.stable_key((program.target, lambda x: x)) is None
+  assert cost_store.stable_key((program.target, object())) is None
+  def verify(*args):  # the library's verifier's name, another function
+    raise AssertionError
+  assert cost_store.stable_key((program.target, verify)) is None  # (a local function)
+  assert "spec_jax.verify.verify" in cost_store.stable_key((program.target, program.verifier))
 
   # another process names the same program with the same key
   from spec_jax.core.pytree_names import params_signature
@@ -187,6 +199,21 @@ def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, m
                          timeout=300, env={**os.environ, "PYTHONHASHSEED": "12345"})
   assert other.returncode == 0, other.stderr
   assert other.stdout == mine
+
+
+def test_lowering_auto_with_abstract_params_warns_that_its_table_is_the_default():
+  """engine.lower measures gamma="auto"'s table as speculate does; with abstract params
+  (jax.ShapeDtypeStruct) nothing can be timed: it lowers the default-table program and says
+  so, instead of failing inside the timing."""
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  from spec_jax.engine import lower
+  from spec_jax.testing import tiny_llama
+  model, params = tiny_llama()
+  abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  with pytest.warns(UserWarning, match="abstract params: its cost table cannot be measured"):
+    lowered = lower(model, abstract, PromptLookupDrafter(3, 1), None,
+                    *pad_prompts([[1, 2, 3]], width=8), gamma="auto", max_new_tokens=4)
+  assert "while" in lowered.as_text()
 
 
 class EveryRoundDraftModel(DraftModelDrafter):

@@ -326,14 +326,18 @@ def test_plan_fields_are_set_from_the_command_line():
   from spec_jax.bench.scenarios import Plan, override_plan
   plan = override_plan(Plan(), ["sw_batches=1,16,64", "s1_auto=draft model: random,layer skip",
                                 "sw_kinds=", "sw_synthetic_alpha=none", "s2_auto=false",
-                                "s3_dtype=bfloat16", "repeats=3", "s3_alphas=0.5,0.9"])
+                                "s3_dtype=bfloat16", "repeats=3", "s3_alphas=0.5,0.9",
+                                "rm_hf=0"])
   assert plan.sw_batches == (1, 16, 64) and plan.sw_kinds == () and plan.repeats == 3
   assert plan.s1_auto == ("draft model: random", "layer skip")
   assert plan.sw_synthetic_alpha is None and plan.s2_auto is False
   assert plan.s3_dtype == "bfloat16" and plan.s3_alphas == (0.5, 0.9)
   for bad, says in [("nope=1", "expected FIELD=VALUE"), ("repeats", "expected FIELD=VALUE"),
                     ("repeats=many", "'many' is not an int"), ("s2_auto=maybe", "true or false"),
-                    ("s3_target=1", "not settable"), ("repeats=none", "not an int")]:
+                    ("s3_target=1", "not settable"), ("repeats=none", "not an int"),
+                    ("repeats=0", "needs a positive int"), ("sw_gammas=", "at least one value"),
+                    ("sw_batches=0,1", "'0' is not a positive"), ("s3_alphas=nan", "finite"),
+                    ("layout=bogus", "not one of"), ("s3_dtype=float16", "not one of")]:
     with pytest.raises(ValueError, match=says):
       override_plan(Plan(), [bad])
 

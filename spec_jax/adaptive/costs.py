@@ -26,6 +26,7 @@ _MEASURED: dict = {}
 LOOP_PASSES = 16  # most passes per timed call: a call's dispatch is spread thin
 CALL_SECONDS = 0.02  # a timed call this long spreads it thin enough (a pass: ~0.1-2 ms small)
 MEASURE_SECONDS = 4.0  # the timed repeats' budget: large batches of large models repeat less
+REPEATS = 15  # the most timed repeats of each pass (timing_plan may take fewer)
 
 
 def timing_plan(pass_seconds: list[float], repeats: int,
@@ -65,7 +66,7 @@ def _seconds(thunk) -> float:
   return time.perf_counter() - t0
 
 
-def measure_costs(program, params, draft_params, args, repeats: int = 15,
+def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
                   signatures: tuple | None = None):
   """Times what a round costs at each width, and one propose of gamma_max drafts and of one,
   at this program's batch size and cache length -> (target_costs, draft_cost,
@@ -104,7 +105,8 @@ def measure_costs(program, params, draft_params, args, repeats: int = 15,
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
   disk_key = None
-  if cost_store.cost_table_folder() is not None:  # measured by an earlier process?
+  # measured by an earlier process? (a shortened measurement is neither read nor stored)
+  if cost_store.cost_table_folder() is not None and repeats >= REPEATS:
     first_leaf = jax.tree_util.tree_leaves(params)[:1]
     placement = repr(getattr(first_leaf[0], "sharding", None)) if first_leaf else None
     disk_key = cost_store.stable_key(cache_key + (placement,))

@@ -62,7 +62,8 @@ def spec_case(model, params, spec_drafter, draft_params, *, gamma,
               max_new_tokens: int, cache_len: int, label: str, verifier=verify, **info) -> Case:
   """Greedy speculative decoding. info["drafter"] is the row's label for the drafter;
   spec_drafter is the drafter itself. gamma="auto" or an AdaptiveConfig: adaptive
-  speculation (spec_jax.adaptive; its cost table is measured on the first, untimed, call)."""
+  speculation (spec_jax.adaptive); its cost table is measured by the case's `prepare`,
+  before any case compiles (run_group), or else by `lower`."""
   adaptive = not isinstance(gamma, int)
   kw = dict(gamma=gamma, max_new_tokens=max_new_tokens, cache_len=cache_len, verifier=verifier)
 

@@ -15,6 +15,7 @@ Each is a function (plan, ctx) -> result (see spec_jax.bench.runner); `Plan` hol
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from typing import Any, Callable
@@ -133,10 +134,19 @@ def override_plan(plan: Plan, assignments: list[str]) -> Plan:
                        f"{sorted(n for n, t in hints.items() if 'dict' not in t)}")
     hint = hints[name]
     try:
-      changes[name] = _parse_field(hint, text)
+      changes[name] = value = _parse_field(hint, text)
+      if hint == "int" and value == 0 and name not in _MAY_BE_ZERO:
+        raise ValueError("needs a positive int")
+      if name in _CHOICES and value not in _CHOICES[name]:
+        raise ValueError(f"{value!r} is not one of {sorted(_CHOICES[name])}")
     except ValueError as e:
       raise ValueError(f"--set {item!r}: {e}") from None
   return dataclasses.replace(plan, **changes)
+
+
+_CHOICES = {"layout": set(LAYOUTS), "s3_dtype": {"float32", "bfloat16"}}
+# counts that may be 0 (every other int, and every number in a tuple, must be positive)
+_MAY_BE_ZERO = {"rm_hf"}
 
 
 def _parse_field(hint: str, text: str):
@@ -147,11 +157,13 @@ def _parse_field(hint: str, text: str):
   if hint.startswith("tuple"):
     parts = [p.strip() for p in text.split(",") if p.strip()]
     scalar = "str" if "tuple[str" in hint else ("float" if "tuple[float" in hint else "int")
-    return tuple(_parse_scalar(scalar, p) for p in parts)
+    if not parts and scalar != "str":
+      raise ValueError("needs at least one value")
+    return tuple(_parse_scalar(scalar, p, positive=True) for p in parts)
   return _parse_scalar(hint.split(" ")[0], text)
 
 
-def _parse_scalar(kind: str, text: str):
+def _parse_scalar(kind: str, text: str, positive: bool = False):
   if kind == "bool":
     if text.lower() not in ("true", "false", "1", "0"):
       raise ValueError(f"{text!r} is not true or false")
@@ -159,9 +171,13 @@ def _parse_scalar(kind: str, text: str):
   if kind == "str":
     return text
   try:
-    return int(text) if kind == "int" else float(text)
+    value = int(text) if kind == "int" else float(text)
   except ValueError:
     raise ValueError(f"{text!r} is not {'an int' if kind == 'int' else 'a number'}") from None
+  if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    raise ValueError(f"{text!r} is not a {'positive' if positive else 'non-negative'} "
+                     "finite number")
+  return value
 
 
 # --target-size presets for scenarios 3 and 5 (a few billion parameters is for accelerators)
