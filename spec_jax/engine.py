@@ -14,10 +14,8 @@ hashable program and its array arguments; `speculative_jit(program, params, draf
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
-import numpy as np
 
 from spec_jax import adaptive
 from spec_jax.core.sampling import SamplingConfig
@@ -83,13 +81,10 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
   state. gamma="auto": adaptive speculation (spec_jax.adaptive), its cost table measured
   on the first call for this target, drafter and batch shape.
   """
-  signatures = check_all_params(target, params, drafter, draft_params)
-  program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
-                                  gamma=gamma, max_new_tokens=max_new_tokens, sampling=sampling,
-                                  eos_id=eos_id, key=key, budgets_B=budgets_B, pad_id=pad_id,
-                                  cache_len=cache_len, verifier=verifier)
-  # gamma="auto" without a cost table: measured once per target, drafter and batch shape
-  program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
+  program, args = measured_program(target, params, drafter, draft_params, prompt_tokens_BP,
+                                   prompt_lengths_B, gamma=gamma, max_new_tokens=max_new_tokens,
+                                   sampling=sampling, eos_id=eos_id, key=key, budgets_B=budgets_B,
+                                   pad_id=pad_id, cache_len=cache_len, verifier=verifier)
   if return_state:
     program = adaptive.keeping_draft_state(program)
   out, cache, draft_state = speculative_jit(program, params,
@@ -106,25 +101,21 @@ def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_length
   so this compiles and times a few small programs first; with abstract params
   (jax.ShapeDtypeStruct) nothing can be timed, and the program keeps the default table,
   with a warning (pass an AdaptiveConfig with target_costs to lower the one you will run)."""
-  signatures = check_all_params(target, params, drafter, draft_params)
-  program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
-                                  **settings)
-  cfg = getattr(program, "adaptive", None)
-  if cfg is not None and cfg.target_costs is None and not _concrete((params, draft_params)):
-    warnings.warn("lowering gamma='auto' with abstract params: its cost table cannot be "
-                  "measured, so this program has the default table, not the one speculate "
-                  "would measure and run", stacklevel=2)
-  else:
-    program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
+  program, args = measured_program(target, params, drafter, draft_params, prompt_tokens_BP,
+                                   prompt_lengths_B, **settings)
   return speculative_jit.lower(program, params, passed_draft_params(params, draft_params),
                               *args, keep_state=False)
 
 
-def _concrete(tree) -> bool:
-  """Every leaf holds values (arrays or numbers, not jax.ShapeDtypeStruct or a tracer)."""
-  return all(isinstance(x, (np.ndarray, np.generic, int, float))
-             or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
-             for x in jax.tree_util.tree_leaves(tree))
+def measured_program(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B,
+                     **settings):
+  """The params checked, the program prepared (prepare_program) and, for gamma="auto"
+  without a cost table, the table measured once per target, drafter and batch shape
+  (adaptive.with_measured_costs) -> (program, args): what `speculate` and `lower` run."""
+  signatures = check_all_params(target, params, drafter, draft_params)
+  program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
+                                  **settings)
+  return adaptive.with_measured_costs(program, params, draft_params, args, signatures), args
 
 
 @dataclasses.dataclass(frozen=True)

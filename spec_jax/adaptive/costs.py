@@ -8,9 +8,11 @@ import functools
 import itertools
 import math
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spec_jax.adaptive import cost_store
 from spec_jax.adaptive.config import drafting_costs
@@ -114,6 +116,9 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
     if stored is not None:
       _MEASURED[cache_key] = stored
       return stored
+  if not _concrete((params, draft_params)):  # (checked past the caches: not per call)
+    raise _AbstractParams("params without values (e.g. jax.ShapeDtypeStruct): a cost table "
+                          "cannot be timed")
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
   target, drafter, sampling = program.target, program.drafter, program.sampling
 
@@ -215,8 +220,25 @@ def with_measured_costs(program, params, draft_params, args, signatures=None):
   cfg = getattr(program, "adaptive", None)
   if cfg is None or cfg.target_costs is not None:
     return program
-  measured = measure_costs(program, params, draft_params, args, signatures=signatures)
+  try:
+    measured = measure_costs(program, params, draft_params, args, signatures=signatures)
+  except _AbstractParams:  # e.g. engine.lower with jax.ShapeDtypeStruct params
+    warnings.warn("gamma='auto' with abstract params: its cost table cannot be measured, so "
+                  "this program has the default table, not the one speculate would measure "
+                  "and run (pass an AdaptiveConfig with target_costs)", stacklevel=3)
+    return program
   return _with_costs(program, *measured)
+
+
+class _AbstractParams(ValueError):
+  """measure_costs was given params without values: nothing can be timed."""
+
+
+def _concrete(tree) -> bool:
+  """Every leaf holds values (arrays or numbers, not jax.ShapeDtypeStruct or a tracer)."""
+  return all(isinstance(x, (np.ndarray, np.generic, int, float))
+             or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+             for x in jax.tree_util.tree_leaves(tree))
 
 
 @functools.lru_cache(maxsize=64)

@@ -74,10 +74,8 @@ def spec_case(model, params, spec_drafter, draft_params, *, gamma,
     return speculative_generate(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
 
   def measure_costs(tokens, lengths):
-    from spec_jax.adaptive import with_measured_costs
-    from spec_jax.engine import prepare_program
-    program, args = prepare_program(model, spec_drafter, tokens, lengths, **kw)
-    with_measured_costs(program, params, draft_params, args)
+    from spec_jax.engine import measured_program
+    measured_program(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
 
   def lower(tokens, lengths):
     if adaptive:
