@@ -83,7 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="also run autoregressive decoding; print the speed-up (medians of "
                       f"{COMPARE_REPEATS} interleaved runs each) and whether the outputs are "
                       "identical")
-  p.add_argument("--stream", action="store_true", help="print text as it is produced")
+  p.add_argument("--stream", action="store_true",
+                 help="print text as it is produced (the figures after it come from a timed "
+                      "run of the same job)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   p.add_argument("--layout", default="fused", choices=tuple(LAYOUTS),
                  help="params layout to decode in (spec_jax.models.llama.LAYOUTS): fused QKV and "
@@ -216,8 +218,6 @@ def main(argv=None) -> int:
 
   main_run = run_ar if drafter is None else run_spec
   if args.stream:
-    if gamma == "auto":
-      raise BadArgument("--stream runs fixed-gamma rounds: pass --gamma N, not auto")
     if drafter is None:
       raise BadArgument("--stream runs the speculative loop in chunks: it needs a drafter")
     from spec_jax.streaming import speculative_chunks, stream_text

@@ -12,8 +12,10 @@ from typing import Iterator
 import jax
 import numpy as np
 
+from spec_jax import adaptive
+from spec_jax.core.errors import check_int
 from spec_jax.core.sampling import SamplingConfig
-from spec_jax.engine import prepare_program
+from spec_jax.engine import measured_program
 from spec_jax.speculative import SpeculativeProgram
 
 
@@ -34,27 +36,35 @@ def _finish(program: SpeculativeProgram, state, lengths, pad_id):
 
 
 def speculative_chunks(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B,
-                       *, gamma: int | None = None, max_new_tokens: int, rounds_per_chunk: int = 4,
-                       sampling=None, eos_id=None, key=None, budgets_B=None, pad_id: int = 0,
-                       cache_len=None, verifier=None) -> Iterator:
+                       *, gamma: int | str | None = None, max_new_tokens: int,
+                       rounds_per_chunk: int = 4, sampling=None, eos_id=None, key=None,
+                       budgets_B=None, pad_id: int = 0, cache_len=None, verifier=None) -> Iterator:
   """Yields a GenerationOutput after every `rounds_per_chunk` rounds; the last is final.
 
-  Chains and trees alike, with `spec_jax.speculate`'s arguments (see prepare_program).
+  Chains and trees alike, with `spec_jax.speculate`'s arguments: the params are checked and
+  gamma="auto" measures its cost table as `speculate` does (engine.measured_program). Under
+  gamma="auto" a plain step counts as a round, and no plain stretch runs past a chunk
+  (AdaptiveConfig.max_stretch): a run that stops drafting streams as plain decoding does,
+  where one stretch to the end used to arrive as a single chunk. Greedy output equals
+  `speculate`'s; with gamma="auto" a sampled one follows the same distribution, but its
+  draws differ (the cap changes where stretches end, and so the keys).
   """
-  program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
-                                  gamma=gamma, max_new_tokens=max_new_tokens,
-                                  sampling=sampling or SamplingConfig(), eos_id=eos_id, key=key,
-                                  budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
-                                  verifier=verifier)
+  check_int(rounds_per_chunk, "rounds_per_chunk", minimum=1)
+  program, args = measured_program(target, params, drafter, draft_params, prompt_tokens_BP,
+                                   prompt_lengths_B, gamma=gamma, max_new_tokens=max_new_tokens,
+                                   sampling=sampling or SamplingConfig(), eos_id=eos_id, key=key,
+                                   budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
+                                   verifier=verifier)
+  program = adaptive.with_max_stretch(program, rounds_per_chunk)
   tokens, lengths, budgets, eos, pad, key = args
   state = _init(program, params, draft_params, tokens, lengths, budgets, eos, key)
-  rounds = 0
   while True:
-    rounds += rounds_per_chunk
-    state = _run(program, params, draft_params, lengths, budgets, eos, state, rounds)
+    # from the rounds run so far (a stretch of plain steps may have counted several)
+    limit = int(state.metrics.rounds) + rounds_per_chunk
+    state = _run(program, params, draft_params, lengths, budgets, eos, state, limit)
     out = _finish(program, state, lengths, pad)
     yield out
-    if bool(np.asarray(state.done_B).all()) or rounds >= max_new_tokens:
+    if bool(np.asarray(state.done_B).all()) or int(state.metrics.rounds) >= max_new_tokens:
       return
 
 

@@ -661,6 +661,40 @@ def test_cost_table_is_validated(stories, costs, draft, match):
                                    draft_cost=draft), max_new_tokens=4)
 
 
+@pytest.mark.parametrize("drafts", [False, True])
+def test_streaming_auto_runs_no_plain_stretch_past_a_chunk(stories, ragged, drafts):
+  """speculative_chunks with gamma="auto": a plain step counts as a round, and stretches are
+  capped at the chunk (AdaptiveConfig.max_stretch), so where nothing drafts each chunk makes
+  at most rounds_per_chunk tokens a row (a stretch to the end used to come as one chunk, and
+  the chunks after it repeated it), at most rounds_per_chunk * (gamma_max + 1) where rounds
+  draft; every chunk makes a token; greedy output equals autoregressive."""
+  from spec_jax.streaming import speculative_chunks
+  model, params = stories
+  prompts, budgets, ref = ragged
+  per = 3
+  cfg = config() if drafts else AdaptiveConfig(8, widths=(1, 2, 3, 5, 9),
+                                               target_costs=(1.0,) * 5, draft_cost=1e3)
+  chunks = list(speculative_chunks(model, params, DraftModelDrafter(model),
+                                   perturbed(params, 0.15, seed=1), *prompts, gamma=cfg,
+                                   max_new_tokens=NEW, budgets_B=budgets, eos_id=1,
+                                   rounds_per_chunk=per))
+  assert np.array_equal(chunks[-1].tokens, ref.tokens)
+  assert np.array_equal(chunks[-1].num_tokens, ref.num_tokens)
+  counts = [np.ones(len(budgets), np.int64)] + [np.asarray(c.num_tokens) for c in chunks]
+  made = np.diff(np.stack(counts), axis=0)  # [chunks, B] tokens each chunk made
+  assert (made >= 0).all() and (made.max(axis=1) >= 1).all(), made
+  assert made.max() <= per * (9 if drafts else 1), made
+  drafted = sum(n for w, n in summarize(chunks[-1].metrics)["adaptive"]["width_rounds"].items()
+                if w > 1)
+  assert (drafted > 0) == drafts
+
+
+@pytest.mark.parametrize("steps", [0, -1, True, 2.0])
+def test_bad_max_stretch_is_refused(steps):
+  with pytest.raises(ValueError, match="max_stretch"):
+    AdaptiveConfig(8, max_stretch=steps).resolved()
+
+
 def test_bad_widths_are_refused():
   for widths in [(2, 3, 9), (1, 3, 2, 9), (1, 2, 5)]:
     with pytest.raises(ValueError, match="widths"):

@@ -51,7 +51,7 @@ from spec_jax.adaptive.planning import (AdmitInputs, RoundPlan, choose_tree_budg
                                         width_index)
 from spec_jax.adaptive.rounds import CATCH_UP_WIDTHS, AdaptiveRound, AdaptiveTreeRound
 from spec_jax.adaptive.program import (adaptive_program_class, configure,
-                                       keeping_draft_state)
+                                       keeping_draft_state, with_max_stretch)
 from spec_jax.adaptive.cost_store import keep_cost_tables
 from spec_jax.adaptive.costs import (LOOP_PASSES, MEASURE_SECONDS, measure_costs, timing_plan,
                                      with_measured_costs)
@@ -93,5 +93,6 @@ __all__ = [
     "tree_widths",
     "verify_admitted",
     "width_index",
+    "with_max_stretch",
     "with_measured_costs",
 ]

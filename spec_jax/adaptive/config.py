@@ -138,6 +138,17 @@ class AdaptiveConfig:
   # True keeps it caught up, for callers that read the final drafter state (speculate's
   # return_state sets it: keeping_draft_state).
   final_draft_state: bool = False
+  # The most plain steps one round runs (None: no cap). Streaming sets it to its chunk's
+  # rounds: a plain stretch counts its steps as rounds, and one that ran to the end came out
+  # as a single chunk. A capped stretch keeps the drafter in step, as final_draft_state does
+  # (the next round decides again), and stretches that a cap split add up to the same wait.
+  max_stretch: int | None = None
+
+  @property
+  def keeps_drafter_in_step(self) -> bool:
+    """Whether every plain stretch records its steps for the drafter and catches it up (no
+    stretch to the end that leaves it behind, no skipped prefill)."""
+    return self.final_draft_state or self.max_stretch is not None
 
   @memoised_when_hashable
   def resolved(self) -> "AdaptiveConfig":
@@ -170,6 +181,9 @@ class AdaptiveConfig:
         or not 0 <= r.forget <= 1
         or not isinstance(r.probe_growth, (int, np.integer)) or r.probe_growth < 1):
       raise ValueError(f"bad adaptive rules: {r}")
+    m = self.max_stretch
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1):
+      raise ValueError(f"max_stretch must be None or an integer >= 1, got {m!r}")
     costs = None if self.target_costs is None else tuple(float(c) for c in self.target_costs)
     return dataclasses.replace(self, gamma_max=int(g), widths=widths, target_costs=costs)
 

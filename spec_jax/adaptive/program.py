@@ -40,7 +40,7 @@ def _adaptive_program_class():
       prefilling a draft cache nothing read."""
       init = functools.partial(self.drafter.init, draft_params)
       if (self.drafter.is_tree or not self.drafter.skips_rounds
-          or self.adaptive.final_draft_state):
+          or self.adaptive.keeps_drafter_in_step):
         return init(prompt)
       stats = self.initial_stats(prompt.tokens_BP.shape[0])
       never = self.round_fn.never_drafts(stats, remaining_tokens_B)
@@ -85,3 +85,12 @@ def keeping_draft_state(program):
   if cfg is None or cfg.final_draft_state:
     return program
   return configure(program, dataclasses.replace(cfg, final_draft_state=True))
+
+
+def with_max_stretch(program, steps: int):
+  """The program with AdaptiveConfig.max_stretch = steps (streaming: no plain stretch runs
+  past a chunk); a program that does not run adaptive rounds, unchanged."""
+  cfg = getattr(program, "adaptive", None)
+  if cfg is None or cfg.max_stretch == steps:
+    return program
+  return configure(program, dataclasses.replace(cfg, max_stretch=steps))

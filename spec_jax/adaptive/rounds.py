@@ -175,9 +175,16 @@ class AdaptiveRound:
                             lengths_B, budget_B, eos_id, s)
       return i + 1, row_rounds + jnp.sum(~s.done_B), new
 
+    n = self.capped(n)
     steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
                                               one, (jnp.int32(0), jnp.int32(0), s))
     return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
+
+  def capped(self, n):
+    """n plain steps, at most AdaptiveConfig.max_stretch of them in this round (the rest
+    come in the next rounds: idle rounds add up, so the wait is the same)."""
+    cap = self.config.max_stretch
+    return n if cap is None else jnp.minimum(n, cap)
 
   def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
                     budget_B, eos_id, n, s, *, watch: bool = False):
@@ -185,8 +192,9 @@ class AdaptiveRound:
     (one target token, no round bookkeeping at gamma_max's shapes) plus the drafter's
     record_plain_step, the metrics are added once, and the drafter catches up after every
     CATCH_UP_WIDTHS[-1] steps and at the end (Drafter.catch_up_after, whose window is
-    static). A stretch that ends the generation does neither, unless the caller reads the
-    final drafter state (AdaptiveConfig.final_draft_state).
+    static). A stretch that ends the generation does neither, unless the drafter is kept in
+    step (AdaptiveConfig.keeps_drafter_in_step: the caller reads the final drafter state,
+    or stretches are capped, max_stretch, and the next round decides again).
 
     watch: each catch-up also says how the drafter's greedy drafts would have fared over
     the steps it covers (catch_up_with_hindsight); the estimates learn from that, as from
@@ -235,7 +243,7 @@ class AdaptiveRound:
 
     def chunk(c):  # a stretch's steps up to its next catch-up, then the catch-up
       start, active_steps_B, s, _ = c
-      stop = jnp.minimum(start + window, n)
+      stop = jnp.minimum(start + window, self.capped(n))
       i, steps_B, s = jax.lax.while_loop(
           lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
@@ -250,7 +258,9 @@ class AdaptiveRound:
       return i, steps_B, s, pays
 
     def chunks(c):
-      return jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B) & ~c[3], chunk, c)
+      last = self.capped(n)
+      return jax.lax.while_loop(lambda c: (c[0] < last) & jnp.any(~c[2].done_B) & ~c[3], chunk,
+                                c)
 
     def to_the_end(c):
       # nothing drafts after this stretch, so the drafter is neither told of its steps nor
@@ -261,7 +271,7 @@ class AdaptiveRound:
 
     zeros_B = jnp.zeros_like(s.pending_B)
     carry = (jnp.int32(0), zeros_B, s, jnp.bool_(False))
-    if self.config.final_draft_state:  # the caller reads the drafter's state after the run
+    if self.config.keeps_drafter_in_step:  # (see AdaptiveConfig)
       steps, active_steps_B, new, pays = chunks(carry)
     else:
       steps, active_steps_B, new, pays = cond_in_place(n == _TO_THE_END, to_the_end, chunks,
