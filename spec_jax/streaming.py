@@ -58,13 +58,14 @@ def speculative_chunks(target, params, drafter, draft_params, prompt_tokens_BP, 
   program = adaptive.with_max_stretch(program, rounds_per_chunk)
   tokens, lengths, budgets, eos, pad, key = args
   state = _init(program, params, draft_params, tokens, lengths, budgets, eos, key)
+  rounds = 0  # run so far, as the state counts them (a stretch of plain steps counts several)
   while True:
-    # from the rounds run so far (a stretch of plain steps may have counted several)
-    limit = int(state.metrics.rounds) + rounds_per_chunk
-    state = _run(program, params, draft_params, lengths, budgets, eos, state, limit)
+    state = _run(program, params, draft_params, lengths, budgets, eos, state,
+                 rounds + rounds_per_chunk)
+    rounds = int(state.metrics.rounds)
     out = _finish(program, state, lengths, pad)
     yield out
-    if bool(np.asarray(state.done_B).all()) or int(state.metrics.rounds) >= max_new_tokens:
+    if bool(np.asarray(state.done_B).all()) or rounds >= max_new_tokens:
       return
 
 

@@ -11,6 +11,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from spec_jax.core.errors import is_int
+
 DEFAULT_GAMMA_MAX = 8
 
 
@@ -182,7 +184,7 @@ class AdaptiveConfig:
         or not isinstance(r.probe_growth, (int, np.integer)) or r.probe_growth < 1):
       raise ValueError(f"bad adaptive rules: {r}")
     m = self.max_stretch
-    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1):
+    if m is not None and (not is_int(m) or m < 1):
       raise ValueError(f"max_stretch must be None or an integer >= 1, got {m!r}")
     costs = None if self.target_costs is None else tuple(float(c) for c in self.target_costs)
     return dataclasses.replace(self, gamma_max=int(g), widths=widths, target_costs=costs)

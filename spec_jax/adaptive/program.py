@@ -81,16 +81,19 @@ def configure(program, config: AdaptiveConfig):
 def keeping_draft_state(program):
   """The program with AdaptiveConfig.final_draft_state on, for callers that read the final
   drafter state; a program that does not run adaptive rounds, unchanged."""
-  cfg = getattr(program, "adaptive", None)
-  if cfg is None or cfg.final_draft_state:
-    return program
-  return configure(program, dataclasses.replace(cfg, final_draft_state=True))
+  return _reconfigured(program, final_draft_state=True)
 
 
 def with_max_stretch(program, steps: int):
   """The program with AdaptiveConfig.max_stretch = steps (streaming: no plain stretch runs
   past a chunk); a program that does not run adaptive rounds, unchanged."""
+  return _reconfigured(program, max_stretch=steps)
+
+
+def _reconfigured(program, **changes):
+  """The program with these AdaptiveConfig fields changed (itself where they already hold,
+  or where it does not run adaptive rounds)."""
   cfg = getattr(program, "adaptive", None)
-  if cfg is None or cfg.max_stretch == steps:
+  if cfg is None or all(getattr(cfg, k) == v for k, v in changes.items()):
     return program
-  return configure(program, dataclasses.replace(cfg, max_stretch=steps))
+  return configure(program, dataclasses.replace(cfg, **changes))

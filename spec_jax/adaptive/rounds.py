@@ -204,6 +204,7 @@ class AdaptiveRound:
     them, and a useless draft's catch-ups stop where its probes would.
     -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
+    last = self.capped(n)  # this round's steps (n: the wait, which a cap may split)
     rules = self.config.rules
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
@@ -243,7 +244,7 @@ class AdaptiveRound:
 
     def chunk(c):  # a stretch's steps up to its next catch-up, then the catch-up
       start, active_steps_B, s, _ = c
-      stop = jnp.minimum(start + window, self.capped(n))
+      stop = jnp.minimum(start + window, last)
       i, steps_B, s = jax.lax.while_loop(
           lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
@@ -258,7 +259,6 @@ class AdaptiveRound:
       return i, steps_B, s, pays
 
     def chunks(c):
-      last = self.capped(n)
       return jax.lax.while_loop(lambda c: (c[0] < last) & jnp.any(~c[2].done_B) & ~c[3], chunk,
                                 c)
 
