@@ -695,6 +695,17 @@ def test_bad_max_stretch_is_refused(steps):
     AdaptiveConfig(8, max_stretch=steps).resolved()
 
 
+@pytest.mark.parametrize("per", [0, -2, 1.5, True])
+def test_bad_rounds_per_chunk_is_refused(stories, per):
+  from spec_jax.core.errors import BadArgument
+  from spec_jax.streaming import speculative_chunks
+  model, params = stories
+  with pytest.raises(BadArgument, match="rounds_per_chunk must be an integer"):
+    next(speculative_chunks(model, params, DraftModelDrafter(model), params,
+                            *pad_prompts([[1, 2]]), gamma=2, max_new_tokens=4,
+                            rounds_per_chunk=per))
+
+
 def test_bad_widths_are_refused():
   for widths in [(2, 3, 9), (1, 3, 2, 9), (1, 2, 5)]:
     with pytest.raises(ValueError, match="widths"):
