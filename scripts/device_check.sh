@@ -8,8 +8,9 @@
 #   bash scripts/device_check.sh tests   # the test suite on the accelerator
 #   bash scripts/device_check.sh all     # both (stage limits: BENCH_S, TESTS_S, BUILTIN_S seconds)
 #   bash scripts/device_check.sh adaptive  # gamma="auto" against autoregressive: the batch
-#                                        # baseline, the batch sweeps, stories260K's drafters
-#                                        # (stage limits: ADAPTIVE_S, SWEEP_S seconds)
+#                                        # baseline, the built-in pair's sweep, stories260K's
+#                                        # useless drafts (stage limits: ADAPTIVE_S, USELESS_S,
+#                                        # SWEEP_S seconds; SW_BATCHES)
 #
 # Results go to $OUT (default runs/device). The tests need ../shared; where the checkout
 # travels alone, a copy at .device/shared is put there first.
@@ -20,6 +21,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the one accelerator
 if [ ! -d ../shared ] && [ -d .device/shared ]; then cp -r .device/shared ../shared; fi
+if ! python3 -c "import spec_jax.models" 2>/dev/null; then
+  # a checkout never installed: models/ installs as spec_jax.models (pyproject.toml), so
+  # PYTHONPATH alone does not find it (the 2026-12-04 lease lost its first call to this)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || ln -sfn ../models spec_jax/models
+fi
 python3 - <<'PY' || exit 1
 import jax, flax, optax, numpy
 print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
@@ -46,23 +53,31 @@ bench_builtin() {
   cat "$OUT/builtin/results.md" 2>/dev/null
 }
 bench_adaptive() {
-  # sized for a 15-minute lease. f32 models with full-precision matmuls (outputs are checked
-  # against autoregressive): the batch baseline at 1-256 rows (8); the built-in pair's batch
-  # sweep, draft model at gamma 4 and auto (7); stories260K's model drafters and layer skip
-  # at gamma 4, auto for the useless ones, batch 1 and 16 (1). Then the sweep's memory-bound
-  # target in bf16 at synthetic acceptance (LOSSY, engine only), in a process of default
-  # precision. Each auto case's cost table is measured before the compile threads start (a
-  # few small compiles and ~4 s of timing; logged as "cost table", recorded as prepare_s).
-  local sweep=(--set sw_batches=1,16,64 --set sw_gammas=4)
+  # sized for a 15-minute lease from what the 2026-12-04 one took: on the H200 each auto
+  # case's cost table took 41-84 s (compiles of its timing programs, one after another) and
+  # its program 30-58 s to compile, so the first stage (ADAPTIVE_S) runs the batch baseline
+  # (8: ~70 s) and the built-in pair's sweep at 1 and 16 rows (7: gamma 4 and auto; its two
+  # tables alone took 132 s), and the second (USELESS_S) stories260K's useless drafts at
+  # batch 1 with auto (1). f32 models with full-precision matmuls (outputs are checked
+  # against autoregressive). SWEEP_S > 0 adds the memory-bound target in bf16 at synthetic
+  # acceptance (LOSSY, engine only; ~150 s), in a process of default precision.
+  local sweep=(--set "sw_batches=${SW_BATCHES:-1,16}" --set sw_gammas=4)
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${ADAPTIVE_S:-300}" python3 scripts/benchmark.py \
-    --scenarios 8,7,1 ${QUICK:+--quick} "${sweep[@]}" --set sw_kinds=draft_model \
-    --set sw_synthetic_alpha=none --set s1_kinds=draft_model,layer_skip --set s1_gammas=4 \
-    --set "s1_auto=draft model: random,layer skip" \
-    --repeats 5 --compile-workers 12 --out "$OUT/adaptive" || echo "bench adaptive failed: $?"
-  timeout "${SWEEP_S:-120}" python3 scripts/benchmark.py --scenarios 7 ${QUICK:+--quick} \
-    "${sweep[@]}" --set sw_kinds= --dtype bfloat16 --repeats 5 --compile-workers 12 \
-    --out "$OUT/sweep_bf16" || echo "bench sweep bf16 failed: $?"
-  cat "$OUT/adaptive/results.md" "$OUT/sweep_bf16/results.md" 2>/dev/null
+    --scenarios 8,7 ${QUICK:+--quick} "${sweep[@]}" --set sw_kinds=draft_model \
+    --set sw_synthetic_alpha=none --repeats 5 --compile-workers 12 --out "$OUT/adaptive" \
+    || echo "bench adaptive failed: $?"
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${USELESS_S:-200}" python3 scripts/benchmark.py \
+    --scenarios 1 ${QUICK:+--quick} --set s1_kinds=draft_model,layer_skip --set s1_gammas=4 \
+    --set s1_batches=1 --set "s1_auto=draft model: random,layer skip" \
+    --repeats 5 --compile-workers 12 --out "$OUT/useless" || echo "bench useless failed: $?"
+  if [ "${SWEEP_S:-0}" -gt 0 ]; then
+    timeout "$SWEEP_S" python3 scripts/benchmark.py --scenarios 7 ${QUICK:+--quick} \
+      "${sweep[@]}" --set sw_kinds= --dtype bfloat16 --repeats 5 --compile-workers 12 \
+      --out "$OUT/sweep_bf16" || echo "bench sweep bf16 failed: $?"
+  fi
+  find "$OUT" -name '*.png' -delete  # a lease returns 8 files at most
+  cat "$OUT"/adaptive/results.md "$OUT"/useless/results.md "$OUT"/sweep_bf16/results.md 2>/dev/null \
+    || true  # (a stage that did not finish has no results.md: its failure is reported above)
 }
 run_tests() {
   # full-precision f32 matmuls: the tests' tolerances are float32's
