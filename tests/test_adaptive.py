@@ -223,25 +223,30 @@ class EveryRoundDraftModel(DraftModelDrafter):
 
 @pytest.mark.parametrize("drafter_class", [DraftModelDrafter, EveryRoundDraftModel])
 def test_cost_table_times_what_the_round_runs(small_pair, monkeypatch, drafter_class):
-  """A chain's width w > 1 is timed as the adaptive round itself (drafted_round: propose,
-  rules, scheduler, switch, the step's pass, verification and commit), forced to verify the
-  planned drafts on every row, not as the bare target pass; width 1 as the loop's plain step:
-  generate's body for a drafter that skips rounds, a step of width 1 with the drafter's
-  catch_up for one that does not."""
+  """A chain's width w > 1 is timed as the loop runs a drafted round: the whole round (its
+  plan, the branch between drafting and plain steps (a stand-in for the plain one, never
+  taken), drafted_round: propose, rules, scheduler, switch, the step's pass, verification
+  and commit; the statistics' update),
+  forced to verify the planned drafts on every row, not the bare target pass nor
+  drafted_round alone; width 1 as the loop's plain step: generate's body for a drafter that
+  skips rounds, a step of width 1 with the drafter's catch_up for one that does not."""
   from spec_jax import adaptive
   target, tp, draft_model, draft_params = small_pair
   drafter = drafter_class(draft_model)
   traced = []
   real_step, real_plain = adaptive.AdaptiveRound.step, adaptive.AdaptiveRound.plain_token
-  real_round = adaptive.AdaptiveRound.drafted_round
+  real_round, real_plan = adaptive.AdaptiveRound.drafted_round, adaptive.AdaptiveRound.plan
 
-  def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                    cost_G1, probe, planned, s):
+  def drafted_round(self, *a, **k):
     traced.append(("round", self.forced))
-    return real_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                      cost_G1, probe, planned, s)
+    return real_round(self, *a, **k)
+
+  def plan(self, *a, **k):
+    traced.append(("plan", self.forced))
+    return real_plan(self, *a, **k)
 
   monkeypatch.setattr(adaptive.AdaptiveRound, "drafted_round", drafted_round)
+  monkeypatch.setattr(adaptive.AdaptiveRound, "plan", plan)
 
   def step(*a, **k):  # (the round's branches pass the width by name, plain steps in place)
     traced.append(("step", k["width"] if "width" in k else a[11], k["draft_state"] is None))
@@ -249,17 +254,44 @@ def test_cost_table_times_what_the_round_runs(small_pair, monkeypatch, drafter_c
 
   monkeypatch.setattr(adaptive.AdaptiveRound, "step", staticmethod(step))
   monkeypatch.setattr(adaptive.AdaptiveRound, "plain_token", staticmethod(
-      lambda *a: traced.append(("plain",)) or real_plain(*a)))
+      lambda *a, **k: traced.append(("plain",)) or real_plain(*a, **k)))
   monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
   program, args = prepare_program(target, drafter, *pad_prompts([[1, 2], [3]]),
                                   gamma=AdaptiveConfig(4), max_new_tokens=4)
   costs, _, _ = adaptive.measure_costs(program, tp, draft_params, args, repeats=1)
   plain = ("plain",) if drafter_class is DraftModelDrafter else ("step", 1, True)
-  # one program for every drafted width (the planned count is traced); its switch traces a
-  # step per width, each committing the round's proposal
-  assert traced == [plain, ("round", True), ("step", 1, False),
-                    ("step", 2, False), ("step", 3, False), ("step", 5, False)]
+  traced = traced[traced.index(plain):]  # (the program's init plans its first round)
+  assert traced[0] == plain  # width 1: the plain step alone
+  # then one program for every drafted width (the planned count is traced): the forced
+  # round's plan and its drafted round, whose switch traces a step per width, each
+  # committing the round's proposal (its plain branch, never taken, is a stand-in)
+  assert traced[1:] == [("plan", True), ("round", True), ("step", 1, False),
+                        ("step", 2, False), ("step", 3, False), ("step", 5, False)]
   check_costs((1, 2, 3, 5), costs, 0.0)
+
+
+def test_a_forced_round_verifies_the_drafts_it_is_told(small_pair):
+  """measure_costs' timing round (force_drafts): every active row verifies exactly that many
+  drafts, whatever the plan (here: a cost table under which no draft pays) says."""
+  from spec_jax import adaptive
+  target, tp, draft_model, draft_params = small_pair
+  drafter = DraftModelDrafter(draft_model)
+  dear = AdaptiveConfig(4, target_costs=(1.0, 50.0, 60.0, 70.0), draft_cost=1.0)
+  program, args = prepare_program(target, drafter, *pad_prompts([[1, 2], [3]]), gamma=dear,
+                                  max_new_tokens=8)
+  forced = adaptive.AdaptiveRound(dear.resolved(), forced=True)
+  tokens_BP, lengths_B, budgets_B, eos, _, key = args
+  state = jax.jit(program.init)(tp, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
+  for k, width in ((1, 2), (2, 3), (4, 5)):
+    run = jax.jit(lambda s, k: forced(target, drafter, 4, program.sampling, program.verifier,
+                                      tp, draft_params, lengths_B, budgets_B, eos, s,
+                                      force_drafts=k))
+    stats = summarize(run(state, jnp.int32(k)).metrics)["adaptive"]
+    assert stats["width_rounds"] == {w: int(w == width) for w in (1, 2, 3, 5)}, (k, stats)
+  # the same round unforced runs plain steps: the table rules drafting out
+  unforced = jax.jit(lambda s: forced(target, drafter, 4, program.sampling, program.verifier,
+                                      tp, draft_params, lengths_B, budgets_B, eos, s))
+  assert summarize(unforced(state).metrics)["adaptive"]["width_rounds"][5] == 0
 
 
 def test_timing_plan_bounds_the_start_up_measurement():

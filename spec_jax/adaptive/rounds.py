@@ -42,7 +42,10 @@ class AdaptiveRound:
   forced: bool = False
 
   def __call__(self, target, drafter: Drafter, gamma: int, sampling: SamplingConfig, verifier,
-               params, draft_params, lengths_B, budget_B, eos_id, s):
+               params, draft_params, lengths_B, budget_B, eos_id, s, *, force_drafts=None):
+    """One round. force_drafts ([] int32, measure_costs' timing of a drafted round as the loop
+    runs it): draft and verify that many whatever the plan says, the plan still computed (so
+    its cost is timed: a where, not a replacement, keeps it alive)."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     table = cfg.cost_table
@@ -54,6 +57,10 @@ class AdaptiveRound:
     useful_B = jnp.maximum(remaining_B - 1, 0)
     watch = self.watches(drafter, sampling)
     plan = self.plan(stats, remaining_B, watch=watch)
+    if force_drafts is not None:
+      forced = force_drafts > 0
+      plan = plan._replace(drafts=forced | plan.drafts,
+                           size=jnp.where(forced, force_drafts, plan.size))
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
@@ -63,6 +70,8 @@ class AdaptiveRound:
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
                                     plan.can_probe, plan.last_probe, watch=watch)
+    if force_drafts is not None:  # never taken: a stand-in spares the timing its compile
+      plain_steps = self.no_plain_steps
     drafting = jnp.asarray(table.drafting_G)[jnp.maximum(plan.size, 1) - 1]
     costs_W = jnp.asarray(table.target_W)
     return self.drafted_or_plain(
@@ -70,6 +79,12 @@ class AdaptiveRound:
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B,
         catch_up_cost=float(table.drafting_G[-1]) if drafter.skips_rounds else 0.0)
+
+  @staticmethod
+  def no_plain_steps(s):
+    """plain_steps' outputs for no steps (the branch a forced round never takes)."""
+    zeros_B = jnp.zeros_like(s.pending_B)
+    return s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros_like(s.done_B)
 
   def watches(self, drafter: Drafter, sampling: SamplingConfig) -> bool:
     """Static: whether plain stretches learn the estimates in hindsight (the drafter's
