@@ -347,3 +347,28 @@ def test_benchmark_refuses_a_bad_plan_field_in_one_line():
                         cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert proc.stderr.strip().splitlines()[-1] == "error: --set 'sw_batches=1,x': 'x' is not an int"
+
+
+def test_the_accelerator_check_parses_and_sets_only_real_plan_fields(tmp_path):
+  """scripts/device_check.sh runs on a lent GPU, where a typo costs a lease: the script
+  parses (bash -n), an unknown mode is refused with exit 2, and every `--set` it passes the
+  benchmark (shell defaults filled in) is a plan field with a valid value."""
+  import os
+  import re
+  import shlex
+  from spec_jax.bench.scenarios import Plan, override_plan
+  script = REPO / "scripts" / "device_check.sh"
+  assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+  sets = []
+  for line in script.read_text().splitlines():
+    line = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", line)  # ${VAR:-default} -> default
+    tokens = shlex.split(line.rstrip().removesuffix("\\"), comments=True)
+    sets += [nxt.rstrip(")") for tok, nxt in zip(tokens, tokens[1:]) if tok.endswith("--set")]
+  fields = {s.split("=", 1)[0] for s in sets}
+  assert {"sw_batches", "sw_kinds", "s1_kinds", "s1_batches", "s1_auto"} <= fields, sets
+  for s in sets:
+    override_plan(Plan(), [s])  # raises ValueError naming a bad field or value
+  proc = subprocess.run(["bash", str(script), "nope"], cwd=REPO, capture_output=True,
+                        text=True, timeout=TIMEOUT_S,
+                        env={**os.environ, "OUT": str(tmp_path)})
+  assert proc.returncode == 2 and "unknown mode nope" in proc.stdout, proc.stdout + proc.stderr
