@@ -16,6 +16,10 @@
 # travels alone, a copy at .device/shared is put there first.
 set -uo pipefail
 mode=${1:-bench}
+case "$mode" in  # (refused before anything is copied, installed or imported)
+  bench|tests|all|adaptive) ;;
+  *) echo "unknown mode $mode (bench | tests | all | adaptive)"; exit 2 ;;
+esac
 OUT=${OUT:-runs/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -24,8 +28,10 @@ if [ ! -d ../shared ] && [ -d .device/shared ]; then cp -r .device/shared ../sha
 if ! python3 -c "import spec_jax.models" 2>/dev/null; then
   # a checkout never installed: models/ installs as spec_jax.models (pyproject.toml), so
   # PYTHONPATH alone does not find it (the 2026-12-04 lease lost its first call to this)
-  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-    || ln -sfn ../models spec_jax/models
+  python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
+    >"$OUT/install.log" 2>&1 \
+    || { echo "editable install failed (see $OUT/install.log): linking models/ instead"
+         ln -sfn ../models spec_jax/models; }
 fi
 python3 - <<'PY' || exit 1
 import jax, flax, optax, numpy
@@ -35,13 +41,16 @@ from spec_jax.models.builtin import load_builtin
 PY
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 
+failed=0
+fail() { echo "$1 failed: $2"; failed=1; }  # a stage's failure: reported, and the exit status
+
 bench_3b() {
   # bf16 target of a few billion parameters' shape: synthetic acceptance (engine only) and the
   # roofline; compiled in threads (the accelerator machine has the cores).
   # QUICK=1: tiny sizes, to try this script on a CPU first
   local size=(--target-size 3B); [ -n "${QUICK:-}" ] && size=(--quick)
   timeout "${BENCH_S:-900}" python3 scripts/benchmark.py --scenarios 3,5 --dtype bfloat16 \
-    "${size[@]}" --repeats 5 --compile-workers 12 --out "$OUT/bench3b" || echo "bench 3B failed: $?"
+    "${size[@]}" --repeats 5 --compile-workers 12 --out "$OUT/bench3b" || fail "bench 3B" $?
   cat "$OUT/bench3b/results.md" 2>/dev/null
 }
 bench_builtin() {
@@ -49,35 +58,37 @@ bench_builtin() {
   # matmuls (the GPU default rounds f32 matmul inputs to tf32)
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${BUILTIN_S:-600}" python3 scripts/benchmark.py \
     --scenarios 2 ${QUICK:+--quick} --repeats 5 --compile-workers 12 --out "$OUT/builtin" \
-    || echo "bench builtin failed: $?"
+    || fail "bench builtin" $?
   cat "$OUT/builtin/results.md" 2>/dev/null
 }
 bench_adaptive() {
   # sized for a 15-minute lease from what the 2026-12-04 one took: on the H200 each auto
-  # case's cost table took 41-84 s (compiles of its timing programs, one after another) and
-  # its program 30-58 s to compile, so the first stage (ADAPTIVE_S) runs the batch baseline
-  # (8: ~70 s) and the built-in pair's sweep at 1 and 16 rows (7: gamma 4 and auto; its two
-  # tables alone took 132 s), and the second (USELESS_S) stories260K's useless drafts at
-  # batch 1 with auto (1). f32 models with full-precision matmuls (outputs are checked
+  # case's cost table took 41-84 s (compiles of its timing programs, one after another; a
+  # table now times whole rounds, ~25% more to compile) and its program 30-58 s to compile,
+  # so the first stage (ADAPTIVE_S) runs the batch baseline (8: ~70 s) and the built-in
+  # pair's sweep at 1 and 16 rows (7: gamma 4 and auto; its two tables alone took 132 s),
+  # and the second (USELESS_S) stories260K's useless drafts at batch 1 with auto (1). f32 models with full-precision matmuls (outputs are checked
   # against autoregressive). SWEEP_S > 0 adds the memory-bound target in bf16 at synthetic
   # acceptance (LOSSY, engine only; ~150 s), in a process of default precision.
   local sweep=(--set "sw_batches=${SW_BATCHES:-1,16}" --set sw_gammas=4)
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${ADAPTIVE_S:-300}" python3 scripts/benchmark.py \
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${ADAPTIVE_S:-360}" python3 scripts/benchmark.py \
     --scenarios 8,7 ${QUICK:+--quick} "${sweep[@]}" --set sw_kinds=draft_model \
     --set sw_synthetic_alpha=none --repeats 5 --compile-workers 12 --out "$OUT/adaptive" \
-    || echo "bench adaptive failed: $?"
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${USELESS_S:-200}" python3 scripts/benchmark.py \
+    || fail "bench adaptive" $?
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${USELESS_S:-180}" python3 scripts/benchmark.py \
     --scenarios 1 ${QUICK:+--quick} --set s1_kinds=draft_model,layer_skip --set s1_gammas=4 \
     --set s1_batches=1 --set "s1_auto=draft model: random,layer skip" \
-    --repeats 5 --compile-workers 12 --out "$OUT/useless" || echo "bench useless failed: $?"
+    --repeats 5 --compile-workers 12 --out "$OUT/useless" || fail "bench useless" $?
   if [ "${SWEEP_S:-0}" -gt 0 ]; then
     timeout "$SWEEP_S" python3 scripts/benchmark.py --scenarios 7 ${QUICK:+--quick} \
       "${sweep[@]}" --set sw_kinds= --dtype bfloat16 --repeats 5 --compile-workers 12 \
-      --out "$OUT/sweep_bf16" || echo "bench sweep bf16 failed: $?"
+      --out "$OUT/sweep_bf16" || fail "bench sweep bf16" $?
   fi
-  find "$OUT" -name '*.png' -delete  # a lease returns 8 files at most
-  cat "$OUT"/adaptive/results.md "$OUT"/useless/results.md "$OUT"/sweep_bf16/results.md 2>/dev/null \
-    || true  # (a stage that did not finish has no results.md: its failure is reported above)
+  # a lease returns 8 files at most: this mode's plots stay behind
+  rm -f "$OUT"/adaptive/*.png "$OUT"/useless/*.png "$OUT"/sweep_bf16/*.png
+  for stage in adaptive useless sweep_bf16; do  # (a stage that did not finish has none)
+    [ -f "$OUT/$stage/results.md" ] && cat "$OUT/$stage/results.md"
+  done
 }
 run_tests() {
   # full-precision f32 matmuls: the tests' tolerances are float32's
@@ -88,8 +99,8 @@ run_tests() {
 
 case "$mode" in
   bench) bench_3b; bench_builtin ;;
-  tests) run_tests ;;
-  all) bench_3b; run_tests; bench_builtin ;;
+  tests) run_tests || failed=1 ;;
+  all) bench_3b; run_tests || failed=1; bench_builtin ;;
   adaptive) bench_adaptive ;;
-  *) echo "unknown mode $mode (bench | tests | all | adaptive)"; exit 2 ;;
 esac
+exit "$failed"

@@ -61,6 +61,19 @@ def test_wheel_holds_and_imports_every_module(tmp_path):
   site = tmp_path / "site"
   with zipfile.ZipFile(wheel) as zf:
     zf.extractall(site)
+    packed = set(zf.namelist())
+  # every file of the library's folders is in the wheel (data the code reads: the built-in
+  # pair, its DSpark drafter, the zoo's drafters), under the package it installs as
+  for pkg, folder in package_folders().items():
+    for path in folder.iterdir():
+      if path.is_file() and path.suffix != ".pyc":
+        name = "/".join(pkg.split(".") + [path.name])
+        assert name in packed, f"the wheel leaves out {name}"
+  for data in (MODELS / "builtin", MODELS / "zoo_drafters"):
+    for path in data.rglob("*"):
+      if path.is_file() and "__pycache__" not in path.parts:
+        name = "spec_jax/models/" + path.relative_to(MODELS).as_posix()
+        assert name in packed, f"the wheel leaves out {name}"
   modules = sorted(
       ".".join((pkg,) + path.relative_to(folder).with_suffix("").parts)
       for pkg, folder in package_folders().items() for path in folder.glob("*.py")
@@ -72,6 +85,8 @@ def test_wheel_holds_and_imports_every_module(tmp_path):
       f"for name in {modules!r}:\n"
       f"  assert importlib.import_module(name).__file__.startswith({str(site)!r}), name\n"
       "assert len(spec_jax.load_builtin()) == 5\n"
+      "from spec_jax.models.builtin import builtin_drafter\n"
+      "assert builtin_drafter('dspark') is not None\n"
       "print('ok', len(sys.modules))\n")
   # away from the repository and without site's .pth files (-S), so the editable install's
   # finder cannot serve a module the wheel lacks; the dependencies from site-packages
