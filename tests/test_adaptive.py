@@ -288,10 +288,23 @@ def test_a_forced_round_verifies_the_drafts_it_is_told(small_pair):
                                       force_drafts=k))
     stats = summarize(run(state, jnp.int32(k)).metrics)["adaptive"]
     assert stats["width_rounds"] == {w: int(w == width) for w in (1, 2, 3, 5)}, (k, stats)
+  # and keeps verifying them once every row is done (at most 8 rounds of >= 1 token), or a
+  # timed call whose rows all finish would time plain steps
+  run = jax.jit(lambda s: forced(target, drafter, 4, program.sampling, program.verifier, tp,
+                                 draft_params, lengths_B, budgets_B, eos, s,
+                                 force_drafts=jnp.int32(4)))
+  s = state
+  for _ in range(8):
+    s = run(s)
+  assert bool(np.all(s.done_B))
+  before = summarize(s.metrics)["adaptive"]["width_rounds"]
+  after = summarize(run(s).metrics)["adaptive"]["width_rounds"]
+  assert {w: after[w] - before[w] for w in after} == {1: 0, 2: 0, 3: 0, 5: 1}
   # the same round unforced runs plain steps: the table rules drafting out
   unforced = jax.jit(lambda s: forced(target, drafter, 4, program.sampling, program.verifier,
                                       tp, draft_params, lengths_B, budgets_B, eos, s))
-  assert summarize(unforced(state).metrics)["adaptive"]["width_rounds"][5] == 0
+  drafted = summarize(unforced(state).metrics)["adaptive"]["width_rounds"]
+  assert drafted[1] > 0 and all(drafted[w] == 0 for w in (2, 3, 5)), drafted
 
 
 def test_timing_plan_bounds_the_start_up_measurement():

@@ -141,7 +141,7 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
   def drafted_rounds(params, draft_params, s, planned, passes):
     # the whole round as the loop runs it (its plan, the branch between drafting and plain
     # steps, the statistics' update), forced to draft `planned`: on stories260K that
-    # bookkeeping is a fixed ~0.5 plain steps a round that the drafting alone left out
+    # bookkeeping is 0.2-0.5 plain steps a round that timing drafted_round alone left out
     one = lambda _, s: forced(target, drafter, g, sampling, program.verifier, params,
                               draft_params, lengths_B, budgets_B, eos, s, force_drafts=planned)
     return jax.lax.fori_loop(0, passes, one, s).pending_B

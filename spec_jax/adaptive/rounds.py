@@ -43,9 +43,10 @@ class AdaptiveRound:
 
   def __call__(self, target, drafter: Drafter, gamma: int, sampling: SamplingConfig, verifier,
                params, draft_params, lengths_B, budget_B, eos_id, s, *, force_drafts=None):
-    """One round. force_drafts ([] int32, measure_costs' timing of a drafted round as the loop
-    runs it): draft and verify that many whatever the plan says, the plan still computed (so
-    its cost is timed: a where, not a replacement, keeps it alive)."""
+    """One round. force_drafts ([] int32 >= 1, measure_costs' timing of a drafted round as
+    the loop runs it; with AdaptiveRound(forced=True)): draft and verify that many on every
+    row whatever the plan says, the plan still computed (so its cost is timed: a where, not
+    a replacement, keeps it alive)."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     table = cfg.cost_table
@@ -58,7 +59,7 @@ class AdaptiveRound:
     watch = self.watches(drafter, sampling)
     plan = self.plan(stats, remaining_B, watch=watch)
     if force_drafts is not None:
-      forced = force_drafts > 0
+      forced = force_drafts >= 0  # (always: traced, so the plan stays alive)
       plan = plan._replace(drafts=forced | plan.drafts,
                            size=jnp.where(forced, force_drafts, plan.size))
 
@@ -394,7 +395,9 @@ class AdaptiveRound:
       return lambda c: step(c[0], width=width, admitted_B=admitted_B, drafts_BG=drafts_BG,
                             probs_BGV=probs_BGV, draft_state=c[0].draft_state)
 
-    w_idx = width_index(cfg.widths, jnp.max(admitted_B))  # 0, a plain step, when none
+    # 0, a plain step, when no row admits a draft; a forced round verifies `planned` even
+    # once every row is done (a timed call whose rows all finish would time plain steps)
+    w_idx = width_index(cfg.widths, planned if self.forced else jnp.max(admitted_B))
     new, num_accepted_B = switch_in_place(
         w_idx, [branch(w) for w in cfg.widths],
         (s.replace(draft_state=draft_state), jnp.zeros_like(s.pending_B)))
