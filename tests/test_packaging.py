@@ -90,7 +90,8 @@ def test_wheel_holds_and_imports_every_module(tmp_path):
       "print('ok', len(sys.modules))\n")
   # away from the repository and without site's .pth files (-S), so the editable install's
   # finder cannot serve a module the wheel lacks; the dependencies from site-packages
-  path = os.pathsep.join([str(site)] + site_module.getsitepackages())
+  path = os.pathsep.join([str(site)] + site_module.getsitepackages()
+                         + [site_module.getusersitepackages()])
   env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
   ran = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
