@@ -466,7 +466,9 @@ def test_draft_cache_is_caught_up_after_plain_stretches(stories, story_prompts, 
   budgets = [NEW, 9, NEW, 21, NEW]
   drafter, draft_params = make_drafter(kind, model, params, num_layers=2, max_ngram=2)
   assert drafter.skips_rounds
-  cfg = dataclasses.replace(config(probe_every=4, hindsight=hindsight), draft_cost=4.0)
+  # (probe_share 0: probes every 4 idle steps however dear, so that drafted rounds come)
+  cfg = dataclasses.replace(config(probe_every=4, hindsight=hindsight, probe_share=0.0),
+                            draft_cost=4.0)
   out, _, state = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
                             max_new_tokens=NEW, budgets_B=budgets, return_state=True)
   ref = generate(model, params, *prompts, max_new_tokens=NEW, budgets_B=budgets)
@@ -844,6 +846,49 @@ def test_no_probe_when_the_budget_left_cannot_repay_it():
   assert not bool(probe_due(stats, jnp.array([28, 3]), window, False))
   assert not bool(probe_due(stats.replace(idle_rounds=jnp.int32(7)), jnp.array([28, 3]), window,
                             True))
+
+
+def test_probes_come_further_apart_where_drafting_could_gain_little():
+  """scaled_probe_every: probe_every idle rounds, or loss / (probe_share * gain) where a
+  probe is dear against the best drafting could gain (gain: the best speed-up of a round of
+  fully accepted drafts; loss: what the probe the plan would make at the prior costs beyond
+  its expected tokens, with the catch-up), capped at 64x; a program's first interval and
+  probe window take it, a watching one (no probes) keeps the rules'."""
+  from spec_jax.adaptive.planning import scaled_probe_every
+  rules = AdaptiveRules(prior=0.7, schedule=False, survival=0.0)
+  cost_G1 = np.array([1.0, 3.0, 3.2, 3.4, 3.6])  # a plain step, then 1..4 drafts verified
+  draft_G = np.full(4, 0.6)
+  # gain: 5 tokens for 4.2 steps, 0.190; the plan at the prior: 4 drafts, (1 + 0.7 + 0.49
+  # + 0.343 + 0.240) / 4.2 = 0.660 tokens a step (3 drafts: 0.633), loss 4.2 - 2.773 = 1.427
+  gain, loss = 5 / 4.2 - 1, 4.2 - (1 + 0.7 + 0.49 + 0.343 + 0.2401)
+  assert scaled_probe_every(rules, cost_G1, draft_G) == int(np.ceil(loss / (0.5 * gain))) == 15
+  assert scaled_probe_every(rules, cost_G1, draft_G, catch_up_cost=0.6) == int(
+      np.ceil((loss + 0.6) / (0.5 * gain))) == 22
+  assert scaled_probe_every(dataclasses.replace(rules, probe_share=0.0), cost_G1, draft_G) == 8
+  # cheap drafting pays at the prior: the rules' own
+  assert scaled_probe_every(rules, np.array([1.0, 1.1, 1.2, 1.3, 1.4]), np.full(4, 0.1)) == 8
+  # a gain of 1%: at most 64 x probe_every; none at all: nothing to space (no probes anyway)
+  assert scaled_probe_every(rules, np.array([1.0, 4.0, 4.2, 4.4, 4.39]), np.full(4, 0.6)) == 512
+  assert scaled_probe_every(rules, np.array([1.0, 5.0, 5.0, 5.0, 5.0]), draft_G) == 8
+
+  # a program with that table: prompt lookup (a drafter that skips rounds: charged a
+  # catch-up) spaces its probes, and its window scales; a layer skip watches (no probes)
+  from spec_jax.testing import tiny_llama
+  model, params = tiny_llama()
+  dear = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=tuple(cost_G1), draft_cost=0.6,
+                        first_draft_cost=0.6, rules=rules)
+  lookup = make_drafter("prompt_lookup", model, params, max_ngram=2)[0]
+  program, _ = prepare_program(model, lookup, *pad_prompts([[1, 2]]), gamma=dear,
+                               max_new_tokens=8)
+  assert lookup.skips_rounds and program.probe_every == 22
+  stats = program.initial_stats(1)
+  assert int(stats.probe_interval) == 22
+  assert program.round_fn.plan(stats, jnp.array([8]), probe_every=22).last_probe == (
+      pytest.approx(22 * 4.2))
+  layer_skip = make_drafter("layer_skip", model, params, num_layers=1)[0]
+  watched, _ = prepare_program(model, layer_skip, *pad_prompts([[1, 2]]), gamma=dear,
+                               max_new_tokens=8)
+  assert watched.round_fn.watches(layer_skip, watched.sampling) and watched.probe_every == 8
 
 
 @pytest.mark.parametrize("idle,remaining,can_probe", [

@@ -30,7 +30,12 @@ def _adaptive_program_class():
     def initial_stats(self, batch: int) -> AdaptiveStats:
       r = self.adaptive.rules
       return AdaptiveStats.zeros(batch, self.gamma, self.adaptive.widths, r.initial_gamma,
-                                 r.prior, r.probe_every, self.adaptive.tree_nodes)
+                                 r.prior, self.probe_every, self.adaptive.tree_nodes)
+
+    @property
+    def probe_every(self) -> int:
+      """The rounds' idle rounds between probes (AdaptiveRound.probe_every)."""
+      return self.round_fn.probe_every(self.drafter, self.sampling)
 
     def init_drafter(self, draft_params, prompt, remaining_tokens_B):
       """A drafter that skips rounds is not read in a plain stretch to the end; where the
@@ -43,7 +48,7 @@ def _adaptive_program_class():
           or self.adaptive.keeps_drafter_in_step):
         return init(prompt)
       stats = self.initial_stats(prompt.tokens_BP.shape[0])
-      never = self.round_fn.never_drafts(stats, remaining_tokens_B)
+      never = self.round_fn.never_drafts(stats, remaining_tokens_B, self.probe_every)
       return cond_in_place(never, lambda state: state, lambda _: init(prompt),
                            zeros_like_outputs(init, prompt))
 

@@ -15,8 +15,8 @@ from spec_jax.adaptive.config import AdaptiveConfig
 from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, choose_tree_budget,
                                         drafting_can_pay, planned_drafts, probe_due,
                                         probe_was_promising, probe_window, row_rule,
-                                        schedule_length, steps_to_probe, verify_admitted,
-                                        width_index)
+                                        scaled_probe_every, schedule_length, steps_to_probe,
+                                        verify_admitted, width_index)
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
                                     split_unless_greedy)
@@ -57,7 +57,8 @@ class AdaptiveRound:
     remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
     useful_B = jnp.maximum(remaining_B - 1, 0)
     watch = self.watches(drafter, sampling)
-    plan = self.plan(stats, remaining_B, watch=watch)
+    probe_every = self.probe_every(drafter, sampling)
+    plan = self.plan(stats, remaining_B, watch=watch, probe_every=probe_every)
     if force_drafts is not None:
       forced = force_drafts >= 0  # (always: traced, so the plan stays alive)
       plan = plan._replace(drafts=forced | plan.drafts,
@@ -70,7 +71,8 @@ class AdaptiveRound:
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
-                                    plan.can_probe, plan.last_probe, watch=watch)
+                                    plan.can_probe, plan.last_probe, watch=watch,
+                                    probe_every=probe_every)
     if force_drafts is not None:  # never taken: a stand-in spares the timing its compile
       plain_steps = self.no_plain_steps
     drafting = jnp.asarray(table.drafting_G)[jnp.maximum(plan.size, 1) - 1]
@@ -78,8 +80,7 @@ class AdaptiveRound:
     return self.drafted_or_plain(
         s, plan.drafts, plan.probe, drafted_round, plain_steps, schedule=rules.schedule,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
-        budget_B=budget_B,
-        catch_up_cost=float(table.drafting_G[-1]) if drafter.skips_rounds else 0.0)
+        budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every)
 
   @staticmethod
   def no_plain_steps(s):
@@ -94,15 +95,32 @@ class AdaptiveRound:
     return (self.config.rules.hindsight and drafter.has_hindsight and sampling.is_greedy
             and not self.forced)
 
-  def plan(self, stats: AdaptiveStats, remaining_B, *, watch: bool = False) -> RoundPlan:
+  def catch_up_cost(self, drafter: Drafter) -> float:
+    """What a drafter that skips rounds pays to catch up after plain steps (charged as a
+    propose of gamma_max drafts); 0 for the others."""
+    return float(self.config.cost_table.drafting_G[-1]) if drafter.skips_rounds else 0.0
+
+  def probe_every(self, drafter: Drafter, sampling: SamplingConfig) -> int:
+    """Static: the idle rounds between probes (AdaptiveRules.probe_share): the rules' own
+    where the stretches watch in hindsight (no probes) or the round is a timing one."""
+    rules = self.config.rules
+    if self.forced or self.watches(drafter, sampling):
+      return rules.probe_every
+    table = self.config.cost_table
+    return scaled_probe_every(rules, table.verify_G1, table.drafting_G,
+                              self.catch_up_cost(drafter))
+
+  def plan(self, stats: AdaptiveStats, remaining_B, *, watch: bool = False,
+           probe_every: int | None = None) -> RoundPlan:
     """What a chain round decides before drafting: its size is the drafts planned (0: a
-    plain stretch). watch: no probes (the stretches learn in hindsight)."""
+    plain stretch). watch: no probes (the stretches learn in hindsight). probe_every: the
+    round's (probe_every(); None: the rules')."""
     rules = self.config.rules
     table = self.config.cost_table
     # no probes where even drafts that were all accepted could not beat a plain step: the
     # cost table alone (static) rules drafting out, and probing would only pay for drafts
     can_probe = drafting_can_pay(table.verify_G1, table.drafting_G)
-    last_probe = probe_window(rules, table.plain, np.max(table.rounds_G))
+    last_probe = probe_window(rules, table.plain, np.max(table.rounds_G), probe_every)
     probe = (jnp.bool_(False) if watch else
              probe_due(stats, remaining_B, last_probe, can_probe))
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
@@ -123,16 +141,18 @@ class AdaptiveRound:
                          lambda _: self.plan(stats, remaining_B, watch=True).drafts,
                          lambda _: jnp.bool_(False), jnp.bool_(False))
 
-  def never_drafts(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+  def never_drafts(self, stats: AdaptiveStats, remaining_B,
+                   probe_every: int | None = None) -> jax.Array:
     """[] bool: the first round, from these stats, is a plain stretch to the end (nothing
     planned, no probe due now or later), so no round of this run drafts. (A watched run
-    checks in hindsight where a probing one would probe: steps_to_probe decides for both.)"""
-    plan = self.plan(stats, remaining_B)
+    checks in hindsight where a probing one would probe: steps_to_probe decides for both.)
+    probe_every: the round's (None: the rules')."""
+    plan = self.plan(stats, remaining_B, probe_every=probe_every)
     return ~plan.drafts & (steps_to_probe(stats, remaining_B, plan.last_probe, plan.can_probe)
                            == _TO_THE_END)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
-                       round_cost, budget_B, catch_up_cost=0.0):
+                       round_cost, budget_B, catch_up_cost=0.0, probe_every=None):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
     then the acceptance statistics updated and written back into the metrics.
@@ -147,8 +167,10 @@ class AdaptiveRound:
     the others accept. A probe also ends a plain stretch, after which a drafter that skips
     rounds catches up (catch_up_cost, charged as a propose of gamma_max drafts): at 64 rows
     of the built-in pair, probes of one draft that the slowest row accepted kept coming every
-    8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x."""
+    8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x.
+    probe_every: the round's (probe_every(); None: the rules')."""
     rules = self.config.rules
+    probe_every = rules.probe_every if probe_every is None else probe_every
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
                jnp.zeros_like(s.done_B))
@@ -160,13 +182,14 @@ class AdaptiveRound:
         round_cost(0), round_cost(w_idx) - round_cost(0) + catch_up_cost)
     stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
-        learning_rate=rules.learning_rate, schedule=schedule, probe_every=rules.probe_every,
+        learning_rate=rules.learning_rate, schedule=schedule, probe_every=probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
         empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
-                  lengths_B, budget_B, eos_id, can_probe, last_probe, s, *, watch=False):
+                  lengths_B, budget_B, eos_id, can_probe, last_probe, s, *, watch=False,
+                  probe_every=None):
     """Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
     table rules drafting out), in an inner loop, so that an undrafted stretch costs what
     autoregressive decoding does and not a whole round's bookkeeping (two conditionals, the
@@ -183,7 +206,8 @@ class AdaptiveRound:
     zeros_B = jnp.zeros_like(s.pending_B)
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
-                                lengths_B, budget_B, eos_id, n, s, watch=watch)
+                                lengths_B, budget_B, eos_id, n, s, watch=watch,
+                                probe_every=probe_every)
 
     def one(c):
       i, row_rounds, s = c
@@ -203,7 +227,7 @@ class AdaptiveRound:
     return n if cap is None else jnp.minimum(n, cap)
 
   def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
-                    budget_B, eos_id, n, s, *, watch: bool = False):
+                    budget_B, eos_id, n, s, *, watch: bool = False, probe_every=None):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no round bookkeeping at gamma_max's shapes) plus the drafter's
     record_plain_step, the metrics are added once, and the drafter catches up after every
@@ -296,7 +320,8 @@ class AdaptiveRound:
       # a stretch that watched to its end without finding drafting worth it stands for a
       # probe that was not promising: the wait before the next check grows as it would
       stats = new.metrics.adaptive
-      grown = stats.grown_probe_interval(rules.probe_growth, rules.probe_every)
+      grown = stats.grown_probe_interval(
+          rules.probe_growth, rules.probe_every if probe_every is None else probe_every)
       new = new.replace(metrics=new.metrics.replace(adaptive=stats.replace(
           probe_interval=jnp.where((steps >= n) & ~pays, grown, stats.probe_interval))))
     new = new.replace(metrics=new.metrics.after_plain_steps(
@@ -472,6 +497,10 @@ class AdaptiveTreeRound(AdaptiveRound):
     return self.drafted_or_plain(s, plan.drafts, plan.probe, tree_round, plain_steps,
                                  schedule=False, round_cost=lambda w_idx: cost_W[w_idx],
                                  budget_B=budget_B)
+
+  def probe_every(self, drafter: Drafter, sampling: SamplingConfig) -> int:
+    """The rules' own (AdaptiveRules.probe_share scales chains' probes only)."""
+    return self.config.rules.probe_every
 
   @functools.cached_property
   def tree_costs(self) -> np.ndarray:
