@@ -174,6 +174,12 @@ class MedusaModel:
     heads = nnx.merge(_graphdef(Medusa, self.config), params.own)
     return params.shared.logits(heads(hidden_BTD))
 
+  def first_head_logits(self, params: HeadParams, hidden_BTD: jax.Array) -> jax.Array:
+    """[B,T,V]: head 0's logits alone (x_{t+2}), without the other heads' vocabulary
+    projections (the costly part)."""
+    heads = nnx.merge(_graphdef(Medusa, self.config), params.own)
+    return params.shared.logits(heads.heads[0](hidden_BTD))
+
 
 # --- EAGLE ------------------------------------------------------------------------------------
 

@@ -587,6 +587,75 @@ def test_eagle_watches_in_hindsight_and_stays_exact(stories, story_reference, tr
   assert widths.get(1, 0) > 0 and sum(widths.values()) > widths[1], m
 
 
+def test_medusa_hindsight_is_its_greedy_first_draft(stories, story_reference, trained):
+  """Medusa's catch-up after a plain stretch says, for a round started at each pending
+  position of the stretch, whether its greedy first draft there (head 1 of the hidden state
+  before that pending token, kept in its ring of recent states) would have been the token
+  that followed: what propose drafts at that position. Later heads are not head 1 one
+  position on, so its hindsight speaks for the first draft alone."""
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("medusa")
+  drafter, draft_params = spec.drafter, spec.draft_params(own, model, params)
+  assert drafter.has_hindsight and not drafter.hindsight_speaks_for_later_drafts
+  seq_BS = jnp.asarray(reference.sequences)
+  hidden, _ = _fresh_features(stories, seq_BS)
+  tree = MedusaTreeDrafter(drafter.model, choices=((0,), (1,), (0, 0)))
+  assert not tree.has_hindsight and tree.init(draft_params, PromptInfo(
+      seq_BS, jnp.asarray(prompts[1]), seq_BS.shape[1], hidden)).recent_BRD is None
+  rows = np.arange(seq_BS.shape[0])
+  # the state at a round whose pending token sits at pos_B (the true hidden states before)
+  state_at = lambda pos_B: drafter.init(draft_params, PromptInfo(seq_BS, jnp.asarray(pos_B),
+                                                                 seq_BS.shape[1], hidden))
+  ctx = lambda pos_B: DraftContext(seq_BS, jnp.asarray(pos_B), seq_BS[rows, pos_B])
+  at_B = np.asarray(prompts[1]) + 14
+  rounds = 8
+  _, agree_BW = jax.jit(drafter.catch_up_with_hindsight, static_argnums=(3, 4))(
+      draft_params, state_at(at_B), ctx(at_B), rounds, 4)
+  seen = HINDSIGHT_WIDTH
+  assert agree_BW.shape == (len(at_B), seen) and rounds + 1 > seen
+  propose = jax.jit(lambda pos_B: drafter.propose(draft_params, state_at(pos_B), ctx(pos_B), 1,
+                                                  SamplingConfig(0.0), jax.random.key(0))[0][:, 0])
+  for w in range(seen):
+    pending_B = at_B - seen + w
+    first_B = np.asarray(propose(pending_B))
+    np.testing.assert_array_equal(agree_BW[:, w],
+                                  first_B == np.asarray(seq_BS)[rows, pending_B + 1])
+  assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
+
+
+def test_medusa_keeps_the_true_recent_hidden_states_and_watches_exactly(stories,
+                                                                       story_reference, trained):
+  """gamma="auto" with Medusa, greedy, through drafted rounds (commit) and plain steps
+  (record_plain_step): the output is the target's, drafting came from what the stretches
+  saw in hindsight, and the register of recent hidden states hindsight reads holds, at the end,
+  the target's true hidden state at each of the positions before the pending token."""
+  from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
+  from spec_jax.drafters.medusa import RECENT
+  from spec_jax.engine import speculate
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("medusa")
+  # a prior below break-even (one draft: 1.05 tokens for 1.06 plain steps), cheap drafting
+  # above it: only what the stretches see can make drafting pay
+  auto = AdaptiveConfig(gamma_max=HEADS, target_costs=(1.0, 1.05, 1.1, 1.15), draft_cost=0.02,
+                        first_draft_cost=0.01, rules=AdaptiveRules(prior=0.05, probe_every=4))
+  out, _, state = speculate(model, params, spec.drafter, spec.draft_params(own, model, params),
+                            *prompts, gamma=auto, max_new_tokens=NEW, eos_id=1,
+                            return_state=True)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  widths = summarize(out.metrics)["adaptive"]["width_rounds"]
+  assert widths.get(1, 0) > 0 and sum(widths.values()) > widths[1], widths
+  seq_BS = jnp.asarray(out.sequences)
+  hidden, _ = _fresh_features(stories, seq_BS)
+  # the pending token of a row that stopped at its budget sits at prompt + num_tokens - 1
+  last_B = np.asarray(prompts[1]) + np.asarray(out.num_tokens) - 2
+  for b, last in enumerate(last_B):
+    np.testing.assert_allclose(state.recent_BRD[b], hidden[b, last - RECENT + 1:last + 1],
+                               **CACHE_TOL)
+
+
 # (EAGLE records its features with the same store_step_features as MTP: one family is
 # enough, and this test compiles three programs)
 @pytest.mark.parametrize("kind", ["mtp"])
