@@ -872,7 +872,8 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   assert scaled_probe_every(rules, np.array([1.0, 5.0, 5.0, 5.0, 5.0]), draft_G) == 8
 
   # a program with that table: prompt lookup (a drafter that skips rounds: charged a
-  # catch-up) spaces its probes, and its window scales; a layer skip watches (no probes)
+  # catch-up) spaces its probes, and its window scales; a layer skip, watching in hindsight,
+  # spaces its checks alike; a timing round keeps the rules' own
   from spec_jax.testing import tiny_llama
   model, params = tiny_llama()
   dear = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=tuple(cost_G1), draft_cost=0.6,
@@ -888,7 +889,9 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   layer_skip = make_drafter("layer_skip", model, params, num_layers=1)[0]
   watched, _ = prepare_program(model, layer_skip, *pad_prompts([[1, 2]]), gamma=dear,
                                max_new_tokens=8)
-  assert watched.round_fn.watches(layer_skip, watched.sampling) and watched.probe_every == 8
+  assert watched.round_fn.watches(layer_skip, watched.sampling) and watched.probe_every == 22
+  assert dataclasses.replace(watched.round_fn, forced=True).probe_every(
+      layer_skip, watched.sampling) == 8
 
 
 @pytest.mark.parametrize("idle,remaining,can_probe", [

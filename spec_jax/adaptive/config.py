@@ -83,15 +83,17 @@ class AdaptiveRules:
     prompts plain for the whole generation (geometric mean 1.20x against 1.35x with x2,
     gamma 4 1.43x). Any accepted draft in any row used to count as promising: in a large
     batch some row always accepts something.
-  probe_share: for chain drafters that probe (not those watching in hindsight), probes
-    come at least loss / (probe_share * gain) idle rounds apart, where gain is the best
-    speed-up a drafted round could bring (all its drafts accepted) and loss what a probe at
-    the prior costs beyond its expected tokens (planning.scaled_probe_every; the probe
-    window and the cap on the interval's growth scale with it). 0: probe_every as given.
+  probe_share: for chain drafters, probes (or the checks a stretch watching in hindsight
+    makes instead) come at least loss / (probe_share * gain) idle rounds apart, where gain
+    is the best speed-up a drafted round could bring (all its drafts accepted) and loss
+    what a probe at the prior costs beyond its expected tokens (planning.scaled_probe_every;
+    the probe window and the cap on the interval's growth scale with it). 0: probe_every as
+    given.
     A drafter whose best case barely beats plain steps then probes rarely, or not at all in
     a short generation: on stories260K trained DSpark and DFlash drafters (rounds of 4 drafts
     at 4.3 plain steps) probed every 8 steps at 0.82-0.84x autoregressive, where never
-    drafting read 0.955-0.97x.
+    drafting read 0.955-0.97x; a trained EAGLE, watching every 8 steps (recording each plain
+    step's features for it), 0.87x against 0.94x.
   admit: research hook replacing the row rules: admit(AdmitInputs) -> [B] admitted lengths.
     It must obey the lossless condition (tests use it for a deliberately leaky rule).
   lookahead: the width scheduler's scan values lengths past each position with past rounds'

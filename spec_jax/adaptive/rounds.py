@@ -101,10 +101,12 @@ class AdaptiveRound:
     return float(self.config.cost_table.drafting_G[-1]) if drafter.skips_rounds else 0.0
 
   def probe_every(self, drafter: Drafter, sampling: SamplingConfig) -> int:
-    """Static: the idle rounds between probes (AdaptiveRules.probe_share): the rules' own
-    where the stretches watch in hindsight (no probes) or the round is a timing one."""
+    """Static: the idle rounds between probes (AdaptiveRules.probe_share), or between the
+    checks a watching stretch makes in their place (it runs as long as a probing one would:
+    a drafter that could gain little watches as rarely, and stops recording its plain
+    steps as early, as it would probe); the rules' own for a timing round."""
     rules = self.config.rules
-    if self.forced or self.watches(drafter, sampling):
+    if self.forced:
       return rules.probe_every
     table = self.config.cost_table
     return scaled_probe_every(rules, table.verify_G1, table.drafting_G,
