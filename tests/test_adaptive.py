@@ -853,7 +853,8 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   probe is dear against the best drafting could gain (gain: the best speed-up of a round of
   fully accepted drafts; loss: what the probe the plan would make at the prior costs beyond
   its expected tokens, with the catch-up), capped at 64x; a program's first interval and
-  probe window take it, a watching one (no probes) keeps the rules'."""
+  probe window take it, a watching one (its checks stand for probes) too, a timing round
+  keeps the rules'; and a run's rounds keep to it (no probe fits in its window)."""
   from spec_jax.adaptive.planning import scaled_probe_every
   rules = AdaptiveRules(prior=0.7, schedule=False, survival=0.0)
   cost_G1 = np.array([1.0, 3.0, 3.2, 3.4, 3.6])  # a plain step, then 1..4 drafts verified
@@ -867,7 +868,7 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   assert scaled_probe_every(dataclasses.replace(rules, probe_share=0.0), cost_G1, draft_G) == 8
   # cheap drafting pays at the prior: the rules' own
   assert scaled_probe_every(rules, np.array([1.0, 1.1, 1.2, 1.3, 1.4]), np.full(4, 0.1)) == 8
-  # a gain of 1%: at most 64 x probe_every; none at all: nothing to space (no probes anyway)
+  # a gain of 0.2%: at most 64 x probe_every; none at all: nothing to space (no probes)
   assert scaled_probe_every(rules, np.array([1.0, 4.0, 4.2, 4.4, 4.39]), np.full(4, 0.6)) == 512
   assert scaled_probe_every(rules, np.array([1.0, 5.0, 5.0, 5.0, 5.0]), draft_G) == 8
 
@@ -878,7 +879,7 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   model, params = tiny_llama()
   dear = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=tuple(cost_G1), draft_cost=0.6,
                         first_draft_cost=0.6, rules=rules)
-  lookup = make_drafter("prompt_lookup", model, params, max_ngram=2)[0]
+  lookup, lookup_params = make_drafter("prompt_lookup", model, params, max_ngram=2)
   program, _ = prepare_program(model, lookup, *pad_prompts([[1, 2]]), gamma=dear,
                                max_new_tokens=8)
   assert lookup.skips_rounds and program.probe_every == 22
@@ -892,6 +893,16 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   assert watched.round_fn.watches(layer_skip, watched.sampling) and watched.probe_every == 22
   assert dataclasses.replace(watched.round_fn, forced=True).probe_every(
       layer_skip, watched.sampling) == 8
+  # a run: with probe_share 0 probes come every 8 idle steps; with the scaled 22 the window
+  # (22 x 4.2 = 92 tokens) leaves none in 48 (a round falling back to the rules' 8 would
+  # probe once its rows have 34 tokens left)
+  prompts = pad_prompts([[1, 2, 3, 4], [5, 6, 7]])
+  runs = {share: summarize(speculate(
+      model, params, lookup, lookup_params, *prompts, max_new_tokens=48,
+      gamma=dataclasses.replace(dear, rules=dataclasses.replace(rules, probe_share=share))
+      ).metrics) for share in (0.0, 0.5)}
+  drafted = {k: m["rounds"] - m["adaptive"]["undrafted_rounds"] for k, m in runs.items()}
+  assert drafted[0.0] > 0 and drafted[0.5] == 0, runs
 
 
 @pytest.mark.parametrize("idle,remaining,can_probe", [

@@ -590,7 +590,7 @@ def test_eagle_watches_in_hindsight_and_stays_exact(stories, story_reference, tr
 def test_medusa_hindsight_is_its_greedy_first_draft(stories, story_reference, trained):
   """Medusa's catch-up after a plain stretch says, for a round started at each pending
   position of the stretch, whether its greedy first draft there (head 1 of the hidden state
-  before that pending token, kept in its ring of recent states) would have been the token
+  before that pending token, kept in its register of recent states) would have been the token
   that followed: what propose drafts at that position. Later heads are not head 1 one
   position on, so its hindsight speaks for the first draft alone."""
   model, params = stories
@@ -624,6 +624,28 @@ def test_medusa_hindsight_is_its_greedy_first_draft(stories, story_reference, tr
   assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
 
 
+def test_medusa_commit_shifts_in_the_positions_a_round_kept(trained):
+  """A drafted round's commit shifts the verify block's kept entries (positions L .. L' - 1)
+  into the register: none for a row that kept nothing, one, or the whole block; the hidden
+  state the heads read next is the register's newest."""
+  from spec_jax.drafters.base import RoundOutcome
+  from spec_jax.drafters.medusa import RECENT, MedusaState
+  spec, _, _ = trained("medusa")
+  rows, width, dim = 3, 4, 2
+  old_BRD = jnp.arange(rows * RECENT * dim, dtype=jnp.float32).reshape(rows, RECENT, dim)
+  block_BWD = -1.0 - jnp.arange(rows * width * dim, dtype=jnp.float32).reshape(rows, width, dim)
+  position_B, kept_B = jnp.array([10, 20, 30]), np.array([0, 1, width])
+  ctx = DraftContext(jnp.zeros((rows, 40), jnp.int32), position_B, jnp.zeros(rows, jnp.int32))
+  outcome = RoundOutcome(ctx, jnp.zeros((rows, width - 1), jnp.int32),
+                         jnp.asarray(np.maximum(kept_B - 1, 0)), jnp.zeros(rows, jnp.int32),
+                         position_B + jnp.asarray(kept_B), block_BWD)
+  new = spec.drafter.commit(None, MedusaState(old_BRD[:, -1], old_BRD), outcome)
+  for b in range(rows):
+    expected = np.concatenate([old_BRD[b], block_BWD[b, :kept_B[b]]])[-RECENT:]
+    np.testing.assert_array_equal(new.recent_BRD[b], expected)
+    np.testing.assert_array_equal(new.hidden_BD[b], expected[-1])
+
+
 def test_medusa_keeps_the_true_recent_hidden_states_and_watches_exactly(stories,
                                                                        story_reference, trained):
   """gamma="auto" with Medusa, greedy, through drafted rounds (commit) and plain steps
@@ -640,18 +662,17 @@ def test_medusa_keeps_the_true_recent_hidden_states_and_watches_exactly(stories,
   # above it: only what the stretches see can make drafting pay
   auto = AdaptiveConfig(gamma_max=HEADS, target_costs=(1.0, 1.05, 1.1, 1.15), draft_cost=0.02,
                         first_draft_cost=0.01, rules=AdaptiveRules(prior=0.05, probe_every=4))
-  out, _, state = speculate(model, params, spec.drafter, spec.draft_params(own, model, params),
-                            *prompts, gamma=auto, max_new_tokens=NEW, eos_id=1,
-                            return_state=True)
+  out, cache, state = speculate(model, params, spec.drafter,
+                                spec.draft_params(own, model, params), *prompts, gamma=auto,
+                                max_new_tokens=NEW, eos_id=1, return_state=True)
   assert np.array_equal(out.tokens, reference.tokens)
   assert np.array_equal(out.num_tokens, reference.num_tokens)
   widths = summarize(out.metrics)["adaptive"]["width_rounds"]
   assert widths.get(1, 0) > 0 and sum(widths.values()) > widths[1], widths
   seq_BS = jnp.asarray(out.sequences)
   hidden, _ = _fresh_features(stories, seq_BS)
-  # the pending token of a row that stopped at its budget sits at prompt + num_tokens - 1
-  last_B = np.asarray(prompts[1]) + np.asarray(out.num_tokens) - 2
-  for b, last in enumerate(last_B):
+  # the register ends before the pending token, at the target cache's last position
+  for b, last in enumerate(np.asarray(cache.length_B) - 1):
     np.testing.assert_allclose(state.recent_BRD[b], hidden[b, last - RECENT + 1:last + 1],
                                **CACHE_TOL)
 

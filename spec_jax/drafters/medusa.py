@@ -6,6 +6,9 @@ heads read: head k predicts x_{L+k} = draft k. The state keeps that hidden state
 takes it from the prompt's hidden states and `commit` from the verify pass, whose block
 [pending, d_1..d_gamma] sits at positions L..L+gamma: the new pending token is at the
 new target length L', so the hidden state to keep is the block's entry at L' - 1 - L.
+A chain also keeps the hidden states of the RECENT positions before the pending token (a
+shift register: init, record_plain_step and commit shift in what they see), so that a
+catch-up after plain steps can say where head 1 would have been accepted (hindsight).
 
 Drafts are independent of each other given the context (head k does not see d_1..d_{k-1}),
 which is still a valid proposal: the verifier gets each head's warped distribution q_k.
