@@ -76,8 +76,7 @@ class AdaptiveRules:
     probes in 32 tokens cost `auto` 10%); probe_growth: the interval grows this many times
     after each probe that was not promising (drafted_or_plain; up to 64x probe_every), and
     returns to probe_every after one that was, or after a round that drafts because drafting
-    (for chains probe_every is the round's, probe_share's scaling of it)
-    pays. x2: probes after 8, 24, 56, 120 idle steps. x4 (8, 40, 168) saved a useless
+    pays (for chains, probe_every as probe_share scales it). x2: probes after 8, 24, 56, 120 idle steps. x4 (8, 40, 168) saved a useless
     draft one probe in 128 tokens (about 3 plain steps on stories260K: 2-4%), but left good
     drafts unused: on the built-in pair at batch 1 two probes that happened to meet the
     draft model's rare misses (7 in 64 positions on one prompt) left three of six code

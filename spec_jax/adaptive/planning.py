@@ -105,11 +105,19 @@ def schedule_length(survival_BG, admitted_B, active_B, cost_G1, estimate_BG=None
   return jnp.minimum(_leading(keep_G[None])[0], jnp.max(jnp.where(active_B, admitted_B, 0)))
 
 
+def best_gain(cost_G1, draft_cost_G) -> float:
+  """Host-side, from the cost table: the best speed-up over plain steps, less one, of a
+  drafted round whose drafts were all accepted ((1 + m) tokens for the pass verifying m
+  drafts and the drafting)."""
+  m_G = np.arange(1, len(draft_cost_G) + 1)
+  round_G = np.asarray(cost_G1[1:], np.float64) + np.asarray(draft_cost_G, np.float64)
+  return float(np.max((1 + m_G) * float(cost_G1[0]) / round_G)) - 1.0
+
+
 def drafting_can_pay(cost_G1, draft_cost_G) -> bool:
   """Host-side, from the cost table: whether some draft length m beats a plain step's tokens
-  per second when every draft is accepted ((1 + m) tokens for the pass and the drafting)."""
-  m_G = np.arange(1, len(draft_cost_G) + 1)
-  return bool(np.any((1 + m_G) / (cost_G1[1:] + draft_cost_G) > 1 / cost_G1[0]))
+  per second when every draft is accepted (best_gain > 0)."""
+  return best_gain(cost_G1, draft_cost_G) > 0
 
 
 def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules,
@@ -223,12 +231,12 @@ def scaled_probe_every(rules, cost_G1, draft_cost_G, catch_up_cost: float = 0.0)
   every = rules.probe_every
   if not rules.probe_share:
     return every
+  gain = best_gain(cost_G1, draft_cost_G)
+  if gain <= 0:  # no probe can pay (drafting_can_pay): nothing to space
+    return every
   plain = float(cost_G1[0])
   cost_G = (np.asarray(cost_G1[1:], np.float64) + np.asarray(draft_cost_G, np.float64)) / plain
   m_G = np.arange(1, len(cost_G) + 1)
-  gain = float(np.max((1 + m_G) / cost_G)) - 1.0
-  if gain <= 0:  # no probe can pay (drafting_can_pay): nothing to space
-    return every
   # the plan's length at the prior: survival above rules.survival, within the schedule
   survival_G = rules.prior ** m_G.astype(np.float64)
   usable_G = survival_G >= rules.survival

@@ -154,7 +154,7 @@ class AdaptiveRound:
                            == _TO_THE_END)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
-                       round_cost, budget_B, catch_up_cost=0.0, probe_every=None):
+                       round_cost, budget_B, probe_every: int, catch_up_cost=0.0):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
     then the acceptance statistics updated and written back into the metrics.
@@ -170,9 +170,8 @@ class AdaptiveRound:
     rounds catches up (catch_up_cost, charged as a propose of gamma_max drafts): at 64 rows
     of the built-in pair, probes of one draft that the slowest row accepted kept coming every
     8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x.
-    probe_every: the round's (probe_every(); None: the rules')."""
+    probe_every: the round's (probe_every())."""
     rules = self.config.rules
-    probe_every = rules.probe_every if probe_every is None else probe_every
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
                jnp.zeros_like(s.done_B))
@@ -190,8 +189,8 @@ class AdaptiveRound:
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
-                  lengths_B, budget_B, eos_id, can_probe, last_probe, s, *, watch=False,
-                  probe_every=None):
+                  lengths_B, budget_B, eos_id, can_probe, last_probe, s, *, probe_every: int,
+                  watch=False):
     """Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
     table rules drafting out), in an inner loop, so that an undrafted stretch costs what
     autoregressive decoding does and not a whole round's bookkeeping (two conditionals, the
@@ -229,7 +228,7 @@ class AdaptiveRound:
     return n if cap is None else jnp.minimum(n, cap)
 
   def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
-                    budget_B, eos_id, n, s, *, watch: bool = False, probe_every=None):
+                    budget_B, eos_id, n, s, *, probe_every: int, watch: bool = False):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no round bookkeeping at gamma_max's shapes) plus the drafter's
     record_plain_step, the metrics are added once, and the drafter catches up after every
@@ -322,8 +321,7 @@ class AdaptiveRound:
       # a stretch that watched to its end without finding drafting worth it stands for a
       # probe that was not promising: the wait before the next check grows as it would
       stats = new.metrics.adaptive
-      grown = stats.grown_probe_interval(
-          rules.probe_growth, rules.probe_every if probe_every is None else probe_every)
+      grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
       new = new.replace(metrics=new.metrics.replace(adaptive=stats.replace(
           probe_interval=jnp.where((steps >= n) & ~pays, grown, stats.probe_interval))))
     new = new.replace(metrics=new.metrics.after_plain_steps(
@@ -492,13 +490,14 @@ class AdaptiveTreeRound(AdaptiveRound):
       return self.tree_round(target, drafter, gamma, sampling, verifier, params, draft_params,
                              lengths_B, budget_B, eos_id, budgets, plan.size, s)
 
+    probe_every = self.probe_every(drafter, sampling)
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
-                                    plan.can_probe, plan.last_probe)
+                                    plan.can_probe, plan.last_probe, probe_every=probe_every)
     cost_W = jnp.asarray(self.tree_costs, jnp.float32)
     return self.drafted_or_plain(s, plan.drafts, plan.probe, tree_round, plain_steps,
                                  schedule=False, round_cost=lambda w_idx: cost_W[w_idx],
-                                 budget_B=budget_B)
+                                 budget_B=budget_B, probe_every=probe_every)
 
   def probe_every(self, drafter: Drafter, sampling: SamplingConfig) -> int:
     """The rules' own (AdaptiveRules.probe_share scales chains' probes only)."""
