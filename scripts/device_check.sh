@@ -76,7 +76,8 @@ bench_adaptive() {
     --set sw_synthetic_alpha=none --repeats 5 --compile-workers 12 --out "$OUT/adaptive" \
     || fail "bench adaptive" $?
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${USELESS_S:-180}" python3 scripts/benchmark.py \
-    --scenarios 1 ${QUICK:+--quick} --set s1_kinds=draft_model,layer_skip --set s1_gammas=4 \
+    --scenarios 1 ${QUICK:+--quick} --set "s1_only=draft model: random,layer skip" \
+    --set s1_kinds=none --set s1_gammas=4 \
     --set s1_batches=1 --set "s1_auto=draft model: random,layer skip" \
     --repeats 5 --compile-workers 12 --out "$OUT/useless" || fail "bench useless" $?
   if [ "${SWEEP_S:-0}" -gt 0 ]; then

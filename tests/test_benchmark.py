@@ -365,7 +365,7 @@ def test_the_accelerator_check_parses_and_sets_only_real_plan_fields(tmp_path):
     tokens = shlex.split(line.rstrip().removesuffix("\\"), comments=True)
     sets += [nxt.rstrip(")") for tok, nxt in zip(tokens, tokens[1:]) if tok.endswith("--set")]
   fields = {s.split("=", 1)[0] for s in sets}
-  assert {"sw_batches", "sw_kinds", "s1_kinds", "s1_batches", "s1_auto"} <= fields, sets
+  assert {"sw_batches", "sw_kinds", "s1_only", "s1_batches", "s1_auto"} <= fields, sets
   for s in sets:
     override_plan(Plan(), [s])  # raises ValueError naming a bad field or value
   proc = subprocess.run(["bash", str(script), "nope"], cwd=REPO, capture_output=True,

@@ -59,6 +59,8 @@ class Plan:
   s1_gammas: tuple[int, ...] = (2, 4, 6)
   # drafters (row labels' starts) that also get a gamma="auto" row; None: every drafter
   s1_auto: tuple[str, ...] | None = None
+  # drafters (row labels' starts) to run at all; None: every one (e.g. no sanity row)
+  s1_only: tuple[str, ...] | None = None
   s1_new: int = 128
   # factory kinds of scenario 1's drafters; None: every one (stories_drafters)
   s1_kinds: tuple[str, ...] | None = None
@@ -253,7 +255,8 @@ def stories260k(plan: Plan, ctx: dict) -> dict:
   cache_len = width + plan.s1_new + max(*plan.s1_gammas, DEFAULT_GAMMA_MAX) + 1
   drafters, notes = [], []
   for label, kind, opts in stories_drafters(model, params):
-    if plan.s1_kinds is not None and kind not in plan.s1_kinds:
+    if (plan.s1_kinds is not None and kind not in plan.s1_kinds
+        or plan.s1_only is not None and not label.startswith(plan.s1_only)):
       continue
     try:
       drafters.append((label, kind) + build_drafter(kind, model, params, **opts))
