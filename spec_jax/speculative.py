@@ -226,13 +226,18 @@ class SpeculativeProgram:
   def run(self, params, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
           round_limit) -> SpecState:
     """Runs rounds until every row is done or `round_limit` rounds have run in all."""
-    round_fn = functools.partial(self.round_fn, self.target, self.drafter, self.gamma,
-                                 self.sampling, self.verifier, params, draft_params, lengths_B,
-                                 budget_B, eos_id)
+    round_fn = functools.partial(self.loop_round(lengths_B.shape[0]), self.target,
+                                 self.drafter, self.gamma, self.sampling, self.verifier, params,
+                                 draft_params, lengths_B, budget_B, eos_id)
     # every round emits at least one token per active row: max_new_tokens rounds suffice
     limit = jnp.minimum(round_limit, self.max_new_tokens)
     return jax.lax.while_loop(lambda s: jnp.any(~s.done_B) & (s.metrics.rounds < limit),
                               round_fn, state)
+
+  def loop_round(self, batch: int):
+    """The round function the loop runs at this batch size (static): round_fn."""
+    del batch
+    return self.round_fn
 
   def finish(self, state: SpecState, lengths_B, pad_id) -> GenerationOutput:
     tokens_BN = gather_generated(state.seq_BS, lengths_B, state.num_generated_B,

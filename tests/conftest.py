@@ -39,6 +39,37 @@ def _release_compiled_programs():
   jax.clear_caches()
 
 
+def _max_mappings() -> int:
+  try:
+    return int(Path("/proc/sys/vm/max_map_count").read_text())
+  except (OSError, ValueError):
+    return 65530  # Linux's default
+
+
+MAX_MAPPINGS = _max_mappings()
+
+
+def _memory_mappings() -> int | None:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # (not Linux)
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_within_a_module():
+  """Drops them after a test, too, once this process holds half the mappings the kernel
+  allows: test_adaptive.py alone compiles enough programs to abort a compile near its end
+  (LLVM, "Fatal Python error: Aborted")."""
+  yield
+  mappings = _memory_mappings()
+  if os.environ.get("SPEC_JAX_TEST_MAPPINGS"):
+    print(f" [{mappings} mappings]", end="")
+  if mappings is not None and mappings > MAX_MAPPINGS // 2:
+    jax.clear_caches()
+
+
 def require_shared(path: Path) -> Path:
   if not path.exists():
     pytest.skip(f"needs {path} (the ../shared folder beside the repository)")

@@ -511,6 +511,74 @@ def test_a_stretch_that_ends_the_run_leaves_the_draft_cache_behind_unless_it_is_
   assert np.all(np.asarray(state.cache.length_B) >= prompt_lengths + NEW - 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class _UntracedDrafter(DraftModelDrafter):
+  """A draft model that fails where any of its work is traced (its init's shapes aside)."""
+
+  def propose(self, *args, **kwargs):
+    raise AssertionError("the drafter was traced")
+
+  init = catch_up = catch_up_after = catch_up_with_hindsight = record_plain_step = propose
+  commit = propose
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(0.8, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_a_program_that_can_never_draft_runs_generates_loop_alone(stories, story_prompts,
+                                                                  monkeypatch, sampling):
+  # A table that rules out every drafted round for a batch with its whole budget left
+  # (drafting costs 1000 target passes): the program knows before tracing that no round will
+  # draft (drafts_never), and runs generate's loop alone: nothing of the drafter is traced
+  # (but its init's shapes, for the zero state), the tokens are generate's (sampled too: the
+  # same keys), and the metrics are those of the same run planned round by round.
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  budgets = [NEW, 9, NEW, 21, NEW]
+  cfg = dataclasses.replace(config(), draft_cost=1e3)
+  run = dict(max_new_tokens=NEW, budgets_B=budgets, eos_id=1, sampling=sampling,
+             key=jax.random.key(3))
+  drafter = _UntracedDrafter(model)
+  program, _ = prepare_program(model, drafter, *prompts, gamma=cfg, **run)
+  assert program.drafts_never(len(story_prompts))
+  with monkeypatch.context() as patch:  # init's shapes come from eval_shape: allowed
+    patch.setattr(_UntracedDrafter, "init", DraftModelDrafter.init)
+    out = speculate(model, params, drafter, params, *prompts, gamma=cfg, **run)
+  ref = generate(model, params, *prompts, **run)
+  assert np.array_equal(out.tokens, ref.tokens) and np.array_equal(out.num_tokens, ref.num_tokens)
+  monkeypatch.setattr(type(program), "drafts_never", lambda self, batch: False)
+  planned = speculate(model, params, DraftModelDrafter(model), params, *prompts, gamma=cfg,
+                      **run)
+  assert np.array_equal(planned.tokens, ref.tokens)
+  assert str(summarize(out.metrics)) == str(summarize(planned.metrics))
+
+
+def test_a_program_that_could_draft_or_reads_its_drafter_plans_each_round(stories,
+                                                                          story_prompts):
+  # drafts_never only where the table and rules rule drafting out before anything is drawn:
+  # free drafting could pay, a budget of one token cannot; a caller reading the final
+  # drafter state, or a tree, keeps the planned rounds
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  rows = len(story_prompts)
+  free = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=config(),
+                         max_new_tokens=NEW)[0]
+  assert not free.drafts_never(rows)
+  dear = dataclasses.replace(config(), draft_cost=1e3)
+  program = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=dear,
+                            max_new_tokens=NEW)[0]
+  assert program.drafts_never(rows)
+  from spec_jax.adaptive import keeping_draft_state
+  assert not keeping_draft_state(program).drafts_never(rows)
+  one = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=config(),
+                        max_new_tokens=1)[0]
+  assert one.drafts_never(rows)
+  from spec_jax.drafters.registry import TreeOptions
+  tree, _ = make_drafter("draft_model", model, params, draft_model=model, draft_params=params,
+                         tree=TreeOptions(depth=3, top_k=2, nodes=7))
+  assert not prepare_program(model, tree, *prompts, gamma="auto",
+                             max_new_tokens=NEW)[0].drafts_never(rows)
+
+
 @pytest.mark.parametrize("hindsight", [True, False])
 def test_a_run_that_starts_plain_and_probes_later_prefills_its_drafter(stories,
                                                                       story_prompts, hindsight):

@@ -122,7 +122,6 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
   state = jax.jit(program.init)(params, draft_params, tokens_BP, lengths_B, budgets_B, eos, key)
   target, drafter, sampling = program.target, program.drafter, program.sampling
 
-  @functools.partial(jax.jit, static_argnums=0)
   def target_passes(w, params, cache, length_B, passes):
     positions_BW = length_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
 
@@ -174,15 +173,15 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
   points = (cfg.gamma_max,) if drafter.is_tree else (cfg.gamma_max, 1)
   # each a function of the number of passes (traced: one compile whatever the plan)
   if drafter.is_tree:
-    runs = [functools.partial(target_passes, w, params, state.cache, state.cache.length_B)
-            for w in cfg.widths]
+    runs = [functools.partial(jax.jit(functools.partial(target_passes, w)), params,
+                              state.cache, state.cache.length_B) for w in cfg.widths]
   else:  # (one program for every drafted width: planned is traced)
     runs = [functools.partial(plain_steps, params, draft_params, state)]
     runs += [functools.partial(drafted_rounds, params, draft_params, state, jnp.int32(w - 1))
              for w in cfg.widths[1:]]
   runs += [functools.partial(draft_passes, draft_params, state, key, jnp.int32(m))
            for m in points]
-  _compile_at_once(runs)
+  runs = _compiled_at_once(runs)
   one, none = [], []
   for run in runs:
     jax.block_until_ready(run(jnp.int32(1)))  # warm up
@@ -215,20 +214,21 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
   return costs, draft, first
 
 
-def _compile_at_once(runs) -> None:
-  """Compiles the timing programs in threads, one run per distinct program (runs of one
-  jitted function differ in traced arguments alone and share its compile; a second thread
-  asking for a compile in flight would compile it again). XLA compiles outside the GIL: on
-  the H200's 16-core host the built-in pair's table took 48 s at batch 1 and 84 s at 16 rows
-  compiling one after another, most of it compiles."""
-  firsts = {}
-  for run in runs:  # (a tree's target passes differ in their static width, a Python int)
-    firsts.setdefault((run.func, tuple(a for a in run.args if isinstance(a, int))), run)
-  if len(firsts) < 2:
-    return
+def _compiled_at_once(runs):
+  """The timing runs (each functools.partial(jitted, *arrays), called with the number of
+  passes) compiled ahead of time, traced one after another and compiled in threads, one
+  program per jitted function (runs of one function differ in traced arguments alone) ->
+  the same runs on the compiled programs. XLA compiles outside the GIL: on the H200's
+  16-core host the built-in pair's table took 48 s at batch 1 and 84 s at 16 rows compiling
+  one after another, most of it compiles, and 28 s and 58 s so."""
+  lowered = {}
+  for run in runs:
+    if run.func not in lowered:
+      lowered[run.func] = run.func.lower(*run.args, jnp.int32(1))
   from concurrent.futures import ThreadPoolExecutor
-  with ThreadPoolExecutor(len(firsts)) as pool:
-    list(pool.map(lambda run: jax.block_until_ready(run(jnp.int32(1))), firsts.values()))
+  with ThreadPoolExecutor(len(lowered)) as pool:
+    compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+  return [functools.partial(compiled[run.func], *run.args) for run in runs]
 
 
 def with_measured_costs(program, params, draft_params, args, signatures=None):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
+
 from spec_jax.adaptive.config import AdaptiveConfig, memoised_when_hashable
 from spec_jax.adaptive.rounds import AdaptiveRound, AdaptiveTreeRound
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
@@ -37,6 +40,33 @@ def _adaptive_program_class():
       """The rounds' idle rounds between probes (AdaptiveRound.probe_every)."""
       return self.round_fn.probe_every(self.drafter, self.sampling)
 
+    def drafts_never(self, batch: int) -> bool:
+      """Static, from the cost table and the rules alone: the first round of a batch of
+      `batch` rows with their whole budgets left plans a plain stretch to the end (nothing
+      planned, no probe due now or later: never_drafts at the initial statistics), so no
+      round of any run of this program drafts. Fewer tokens left, or rows already done,
+      only make drafting pay less. Such a program runs generate's loop alone
+      (AdaptiveRound.plain_to_the_end) and never builds the drafter's state: its compile,
+      prefill and per-call work are spared (stories260K's trained drafters, whose probes
+      come 23-83 steps apart, never draft in 128 tokens, and ran 5-7% slower than
+      autoregressive for it). Not for trees, nor where the final drafter state is read
+      (keeps_drafter_in_step)."""
+      if self.drafter.is_tree or self.adaptive.keeps_drafter_in_step:
+        return False
+      name = f"_drafts_never_{batch}"  # memoised: computed once per program and batch size
+      if name not in self.__dict__:
+        with jax.ensure_compile_time_eval():
+          remaining_B = jnp.full((batch,), self.max_new_tokens - 1, jnp.int32)
+          never = self.round_fn.never_drafts(self.initial_stats(batch), remaining_B,
+                                             self.probe_every)
+          self.__dict__[name] = bool(never)
+      return self.__dict__[name]
+
+    def loop_round(self, batch: int):
+      if self.drafts_never(batch):
+        return self.round_fn.plain_to_the_end
+      return self.round_fn
+
     def init_drafter(self, draft_params, prompt, remaining_tokens_B):
       """A drafter that skips rounds is not read in a plain stretch to the end; where the
       first round will be one (the plan drafts nothing and no probe can come: a useless
@@ -44,6 +74,8 @@ def _adaptive_program_class():
       left zero: a 12-of-30-layer skip of SmolLM2 otherwise spent ~10% of a 32-token answer
       prefilling a draft cache nothing read."""
       init = functools.partial(self.drafter.init, draft_params)
+      if self.drafts_never(prompt.tokens_BP.shape[0]):
+        return zeros_like_outputs(init, prompt)
       if (self.drafter.is_tree or not self.drafter.skips_rounds
           or self.adaptive.keeps_drafter_in_step):
         return init(prompt)

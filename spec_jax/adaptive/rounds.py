@@ -304,11 +304,8 @@ class AdaptiveRound:
                                 c)
 
     def to_the_end(c):
-      # nothing drafts after this stretch, so the drafter is neither told of its steps nor
-      # caught up: generate's loop body alone (recording the target's features cost an EAGLE
-      # or MTP drafter that never drafted ~20% of stories260K's step at batch 1)
-      return jax.lax.while_loop(lambda c: jnp.any(~c[2].done_B), stepper(record=False),
-                                c[:3]) + (c[3],)
+      return self.steps_to_the_end(target, drafter, sampling, params, draft_params, lengths_B,
+                                   budget_B, eos_id, c[:3]) + (c[3],)
 
     zeros_B = jnp.zeros_like(s.pending_B)
     carry = (jnp.int32(0), zeros_B, s, jnp.bool_(False))
@@ -328,6 +325,45 @@ class AdaptiveRound:
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
             jnp.zeros_like(s.done_B))
+
+  def steps_to_the_end(self, target, drafter, sampling, params, draft_params, lengths_B,
+                       budget_B, eos_id, carry):
+    """Plain steps until every row is done, carry = (steps, active steps [B], state) ->
+    the same after them. Nothing drafts after them, so the drafter is neither told of its
+    steps nor caught up: generate's loop body alone (recording the target's features cost
+    an EAGLE or MTP drafter that never drafted ~20% of stories260K's step at batch 1)."""
+    def one(c):
+      i, active_steps_B, s = c
+      new = self.plain_token(target, drafter, sampling, params, draft_params, lengths_B,
+                             budget_B, eos_id, s, record=False)
+      return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
+
+    return jax.lax.while_loop(lambda c: jnp.any(~c[2].done_B), one, carry)
+
+  def plain_to_the_end(self, target, drafter, gamma, sampling, verifier, params, draft_params,
+                       lengths_B, budget_B, eos_id, s):
+    """The round of a program in which no round can draft (AdaptiveProgram.drafts_never):
+    the plain stretch to the end that its first round would plan and run, with the same
+    statistics and metrics, but without the plan, the drafted branch or the drafter in the
+    program at all (speculative_round's signature)."""
+    del gamma, verifier
+
+    def plain(s):
+      zeros_B = jnp.zeros((s.pending_B.shape[0],), jnp.int32)
+      steps, active_steps_B, new = self.steps_to_the_end(
+          target, drafter, sampling, params, draft_params, lengths_B, budget_B, eos_id,
+          (jnp.int32(0), zeros_B, s))
+      new = new.replace(metrics=new.metrics.after_plain_steps(
+          steps, active_steps_B, new.num_generated_B - s.num_generated_B))
+      return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
+              jnp.zeros_like(s.done_B))
+
+    costs_W = jnp.asarray(self.config.cost_table.target_W)
+    return self.drafted_or_plain(
+        s, jnp.bool_(False), jnp.bool_(False), self.no_plain_steps, plain,
+        schedule=self.config.rules.schedule, round_cost=lambda w_idx: costs_W[w_idx],
+        budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter),
+        probe_every=self.probe_every(drafter, sampling))
 
   @staticmethod
   def plain_step(target, drafter, gamma, sampling, verifier, params, draft_params, lengths_B,
