@@ -67,7 +67,11 @@ bench_adaptive() {
   # table now times whole rounds, ~25% more to compile) and its program 30-58 s to compile,
   # so the first stage (ADAPTIVE_S) runs the batch baseline (8: ~70 s) and the built-in
   # pair's sweep at 1 and 16 rows (7: gamma 4 and auto; its two tables alone took 132 s),
-  # and the second (USELESS_S) stories260K's useless drafts at batch 1 with auto (1). f32 models with full-precision matmuls (outputs are checked
+  # and the second (USELESS_S) stories260K's useless drafts at batch 1 with auto (1). The
+  # third lease (tables compiling in threads) ran the first stage in 200 s and the second in
+  # 58 s; the useless drafts at 1 and 16 rows with 7 repeats did not finish in 200 s, nor
+  # the bf16 sweep at 1 and 16 rows in 150 s (its table 45 s, its auto program 52 s to
+  # compile). f32 models with full-precision matmuls (outputs are checked
   # against autoregressive). SWEEP_S > 0 adds the memory-bound target in bf16 at synthetic
   # acceptance (LOSSY, engine only; ~150 s), in a process of default precision.
   local sweep=(--set "sw_batches=${SW_BATCHES:-1,16}" --set sw_gammas=4)

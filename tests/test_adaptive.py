@@ -552,6 +552,46 @@ def test_a_program_that_can_never_draft_runs_generates_loop_alone(stories, story
   assert str(summarize(out.metrics)) == str(summarize(planned.metrics))
 
 
+def test_a_program_that_never_drafts_would_not_have_drafted_at_any_budgets_or_done_rows():
+  # drafts_never decides from two batches (every row with its whole budget, and one row left
+  # alone with it): for random cost tables and rules where both plan a stretch to the end,
+  # so must the first round of any batch with fewer tokens left or rows done; and both are
+  # needed (a row left alone can pay where a whole batch of 4 cannot)
+  from spec_jax.adaptive.rounds import AdaptiveRound
+  from spec_jax.metrics import AdaptiveStats
+  rng = np.random.default_rng(0)
+  checked = 0
+  for _ in range(40):
+    rules = AdaptiveRules(probe_every=int(rng.integers(2, 12)), prior=float(rng.uniform(0.2, 0.9)))
+    draft = float(rng.uniform(0.0, 4.0))
+    cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), rules=rules, draft_cost=draft,
+                         first_draft_cost=float(rng.uniform(0.05, 1.0)) * draft,
+                         target_costs=tuple(np.cumsum(np.r_[1.0, rng.uniform(0.0, 1.5, 4)])))
+    round_fn = AdaptiveRound(cfg.resolved())
+    every = round_fn.probe_every(DraftModelDrafter(None), SamplingConfig())
+    for rows in (1, 3):
+      left = int(rng.integers(2, 200)) - 1
+      stats = AdaptiveStats.zeros(rows, 8, cfg.widths, rules.initial_gamma, rules.prior, every,
+                                  None)
+      never = lambda r_B: bool(round_fn.never_drafts(stats, jnp.asarray(r_B, jnp.int32), every))
+      if not (never([left] * rows) and never([left] + [0] * (rows - 1))):
+        continue
+      for _ in range(10):
+        remaining_B = rng.integers(0, left + 1, rows)
+        remaining_B = np.where(rng.random(rows) < 0.3, rng.integers(0, 3, rows), remaining_B)
+        assert never(remaining_B), (cfg, left, remaining_B)
+        checked += 1
+  assert checked >= 200, checked
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), draft_cost=2.61, first_draft_cost=0.58,
+                       target_costs=(1.0, 1.11, 1.68, 2.17, 3.03),
+                       rules=AdaptiveRules(probe_every=5, prior=0.89))
+  round_fn = AdaptiveRound(cfg.resolved())
+  every = round_fn.probe_every(DraftModelDrafter(None), SamplingConfig())
+  stats = AdaptiveStats.zeros(4, 8, cfg.widths, 4, 0.89, every, None)
+  never = lambda r_B: bool(round_fn.never_drafts(stats, jnp.asarray(r_B, jnp.int32), every))
+  assert never([8, 8, 8, 8]) and not never([8, 0, 0, 0])
+
+
 def test_a_program_that_could_draft_or_reads_its_drafter_plans_each_round(stories,
                                                                           story_prompts):
   # drafts_never only where the table and rules rule drafting out before anything is drawn:
