@@ -64,8 +64,6 @@ def _release_compiled_programs_within_a_module():
   (LLVM, "Fatal Python error: Aborted")."""
   yield
   mappings = _memory_mappings()
-  if os.environ.get("SPEC_JAX_TEST_MAPPINGS"):
-    print(f" [{mappings} mappings]", end="")
   if mappings is not None and mappings > MAX_MAPPINGS // 2:
     jax.clear_caches()
 

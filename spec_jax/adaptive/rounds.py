@@ -249,15 +249,8 @@ class AdaptiveRound:
     rules = self.config.rules
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
-    def stepper(record):
-      def one(c):
-        i, active_steps_B, s = c
-        new = self.plain_token(target, drafter, sampling, params, draft_params, lengths_B,
-                               budget_B, eos_id, s, record=record)
-        return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
-      return one
-
-    one = stepper(record=True)
+    one = self.token_step(target, drafter, sampling, params, draft_params, lengths_B, budget_B,
+                          eos_id, record=True)
 
     def catch_up(draft_state, ctx, steps, steps_B):
       # the narrowest compiled window that covers the chunk's steps (a short stretch between
@@ -326,18 +319,25 @@ class AdaptiveRound:
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
             jnp.zeros_like(s.done_B))
 
-  def steps_to_the_end(self, target, drafter, sampling, params, draft_params, lengths_B,
-                       budget_B, eos_id, carry):
-    """Plain steps until every row is done, carry = (steps, active steps [B], state) ->
-    the same after them. Nothing drafts after them, so the drafter is neither told of its
-    steps nor caught up: generate's loop body alone (recording the target's features cost
-    an EAGLE or MTP drafter that never drafted ~20% of stories260K's step at batch 1)."""
+  def token_step(self, target, drafter, sampling, params, draft_params, lengths_B, budget_B,
+                 eos_id, *, record: bool):
+    """A plain stretch's loop body, carry = (steps, active steps [B], state): one
+    plain_token, counting the rows it found active."""
     def one(c):
       i, active_steps_B, s = c
       new = self.plain_token(target, drafter, sampling, params, draft_params, lengths_B,
-                             budget_B, eos_id, s, record=False)
+                             budget_B, eos_id, s, record=record)
       return i + 1, active_steps_B + (~s.done_B).astype(jnp.int32), new
+    return one
 
+  def steps_to_the_end(self, target, drafter, sampling, params, draft_params, lengths_B,
+                       budget_B, eos_id, carry):
+    """Plain steps until every row is done, carry as token_step's -> the same after them.
+    Nothing drafts after them, so the drafter is neither told of its steps nor caught up:
+    generate's loop body alone (recording the target's features cost an EAGLE or MTP
+    drafter that never drafted ~20% of stories260K's step at batch 1)."""
+    one = self.token_step(target, drafter, sampling, params, draft_params, lengths_B, budget_B,
+                          eos_id, record=False)
     return jax.lax.while_loop(lambda c: jnp.any(~c[2].done_B), one, carry)
 
   def plain_to_the_end(self, target, drafter, gamma, sampling, verifier, params, draft_params,
