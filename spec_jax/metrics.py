@@ -15,6 +15,10 @@ def _learn(estimate, seen, hit, learning_rate, unseen, prior, forget):
   return jnp.where(unseen, estimate + forget * (prior - estimate), estimate)
 
 
+# the longest wait before a probe, in probe_every's (AdaptiveRules.probe_growth, give_up)
+MAX_PROBE_WAIT = 64
+
+
 @struct.dataclass
 class AdaptiveStats:
   """Adaptive speculation's per-row state and counters (spec_jax.adaptive), carried in the
@@ -28,6 +32,10 @@ class AdaptiveStats:
   undrafted_rounds: jax.Array  # [] rounds that did not draft at all
   admitted_hist_G1: jax.Array  # [G + 1] row-rounds per admitted length
   admitted_B: jax.Array  # [B] drafts verified, summed over the row's rounds
+  # [B] int32: first drafts whose fate the row has seen (verified, or in hindsight) and how
+  # many of them were accepted: the evidence under estimate_BG[:, 0] (AdaptiveRules.give_up)
+  first_seen_B: jax.Array
+  first_accepted_B: jax.Array
   # trees: [B, N - 1] float32 P(drafted node i + 1 is on the accepted path), online; None
   # for chains. Their sum over the first k - 1 nodes is what a tree cut to k nodes yields
   node_estimate_BZ: jax.Array | None = None
@@ -40,7 +48,8 @@ class AdaptiveStats:
     return cls(tuple(widths), jnp.full((batch_size,), min(initial_gamma, gamma), jnp.int32),
                jnp.full((batch_size, gamma), prior, jnp.float32), jnp.int32(0),
                jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
-               jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32), nodes)
+               jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32),
+               jnp.zeros(batch_size, jnp.int32), jnp.zeros(batch_size, jnp.int32), nodes)
 
   def update_nodes(self, active_B, num_verified, path_BR1, num_accepted_B, *,
                    learning_rate: float, prior: float, forget: float) -> "AdaptiveStats":
@@ -59,7 +68,13 @@ class AdaptiveStats:
 
   def grown_probe_interval(self, probe_growth: int, probe_every: int) -> jax.Array:
     """The wait before the next probe after one that was not promising (up to 64x)."""
-    return jnp.minimum(probe_growth * self.probe_interval, 64 * probe_every)
+    return jnp.minimum(probe_growth * self.probe_interval, MAX_PROBE_WAIT * probe_every)
+
+  def given_up(self, hopeless, probe_every: int) -> "AdaptiveStats":
+    """Where hopeless ([] bool), the wait before the next probe at its longest (the rounds
+    found drafting past paying even at the optimistic end of their evidence)."""
+    return self.replace(probe_interval=jnp.where(hopeless, MAX_PROBE_WAIT * probe_every,
+                                                 self.probe_interval).astype(jnp.int32))
 
   def learn_hindsight(self, agree_BA, valid_BA, learning_rate: float, *,
                       later: bool = True) -> "AdaptiveStats":
@@ -87,7 +102,11 @@ class AdaptiveStats:
     if later:
       later_BG = later_BG + step(after_B) * (run_B[:, None] - later_BG)
     estimate_BG = jnp.concatenate([first_B1, later_BG], axis=1)
-    return self.replace(estimate_BG=estimate_BG.astype(self.estimate_BG.dtype))
+    return self.replace(
+        estimate_BG=estimate_BG.astype(self.estimate_BG.dtype),
+        first_seen_B=self.first_seen_B + count_B.astype(jnp.int32),
+        first_accepted_B=self.first_accepted_B
+        + jnp.sum(valid_BA & agree_BA, axis=1).astype(jnp.int32))
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
@@ -130,7 +149,10 @@ class AdaptiveStats:
         width_rounds_W=self.width_rounds_W.at[width_idx].add(rounds),
         undrafted_rounds=self.undrafted_rounds + (~drafted).astype(jnp.int32) * rounds,
         admitted_hist_G1=self.admitted_hist_G1 + hist_G1,
-        admitted_B=self.admitted_B + admitted_B * active_i)
+        admitted_B=self.admitted_B + admitted_B * active_i,
+        first_seen_B=self.first_seen_B + seen_BG[:, 0].astype(jnp.int32),
+        first_accepted_B=self.first_accepted_B
+        + (seen_BG[:, 0] & (num_accepted_B > 0)).astype(jnp.int32))
 
 
 @struct.dataclass

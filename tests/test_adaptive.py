@@ -940,6 +940,87 @@ def test_probe_interval_grows_after_probes_that_are_not_promising():
   assert int(promising.probe_interval) == 8
 
 
+def test_wilson_upper_is_the_score_interval_bound():
+  """wilson_upper(k, n, c) is the u > k/n solving (k/n - u)^2 = z^2 u (1 - u) / n (z the
+  normal quantile at c): the Wilson score interval's upper end; 1 where nothing was seen;
+  z^2 / (n + z^2) with nothing accepted."""
+  from statistics import NormalDist
+  from spec_jax.adaptive.planning import wilson_upper
+  k_B, n_B = np.array([0, 0, 0, 1, 4, 7, 8, 30]), np.array([0, 8, 24, 8, 8, 8, 8, 40])
+  u_B = np.asarray(wilson_upper(jnp.asarray(k_B), jnp.asarray(n_B), 0.99), np.float64)
+  z = NormalDist().inv_cdf(0.99)
+  assert u_B[0] == 1.0 and u_B[6] == 1.0
+  np.testing.assert_allclose(u_B[1:3], z * z / (n_B[1:3] + z * z), rtol=1e-5)
+  p_B = k_B[1:] / n_B[1:]
+  u = u_B[1:]
+  assert (u > p_B)[p_B < 1].all() and (u <= 1).all()
+  np.testing.assert_allclose((p_B - u) ** 2, z * z * u * (1 - u) / n_B[1:], atol=1e-6)
+  assert np.all(np.diff(u_B[3:7]) > 0)  # more accepted of the same 8: a higher bound
+  # a looser confidence: a lower bound
+  assert float(wilson_upper(jnp.array([1]), jnp.array([8]), 0.9)[0]) < u_B[3]
+
+
+def test_a_hopeless_record_gives_up():
+  """AdaptiveRound.hopeless: no row with tokens left could pay even with its first drafts
+  accepted at the upper end of their record (give_up) and every later one accepted
+  (least_first); the wait before the next look then jumps to 64 x probe_every."""
+  from spec_jax.adaptive import AdaptiveRound
+  from spec_jax.metrics import AdaptiveStats
+  # a plain step 1; 1..4 drafts verified at 3.0-3.6, drafting 0.6: least_first is
+  # min((4.2 - 1) / 4, (4.0 - 1) / 3, (3.8 - 1) / 2, (3.6 - 1) / 1) = 0.8
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 3.0, 3.2, 3.4, 3.6),
+                       draft_cost=0.6, first_draft_cost=0.6).resolved()
+  round_fn = AdaptiveRound(cfg)
+  assert round_fn.least_first == pytest.approx(0.8)
+  stats = AdaptiveStats.zeros(2, 4, cfg.widths, initial_gamma=4, prior=0.7, probe_every=8)
+  record = lambda seen, accepted: stats.replace(first_seen_B=jnp.array(seen),
+                                                first_accepted_B=jnp.array(accepted))
+  left_B = jnp.array([20, 20])
+  # nothing seen: the bound is 1, not hopeless; 24 seen, none accepted: 0.18 < 0.8
+  assert not bool(round_fn.hopeless(stats, left_B))
+  assert bool(round_fn.hopeless(record([24, 24], [0, 0]), left_B))
+  # one row whose record could still pay (12 of 24: upper end 0.73; 16 of 24: 0.87)
+  assert bool(round_fn.hopeless(record([24, 24], [0, 12]), left_B))
+  assert not bool(round_fn.hopeless(record([24, 24], [0, 16]), left_B))
+  # ... unless it has no draft left to keep
+  assert bool(round_fn.hopeless(record([24, 24], [0, 16]), jnp.array([20, 1])))
+  gave_up = round_fn.give_up_if_hopeless(record([24, 24], [0, 0]), jnp.bool_(True), left_B, 8)
+  assert int(gave_up.probe_interval) == 512
+  looked_not = round_fn.give_up_if_hopeless(record([24, 24], [0, 0]), jnp.bool_(False),
+                                           left_B, 8)
+  assert int(looked_not.probe_interval) == 8
+  off = AdaptiveRound(dataclasses.replace(cfg, rules=AdaptiveRules(give_up=0.0)))
+  assert int(off.give_up_if_hopeless(record([24, 24], [0, 0]), jnp.bool_(True), left_B,
+                                     8).probe_interval) == 8
+
+
+def test_a_useless_draft_watched_in_hindsight_gives_up(stories, story_prompts):
+  """A 1-layer skip of stories260K never guesses the next token: with give_up its watched
+  stretches stop looking once the record rules drafting out (the wait at its longest, after
+  fewer guesses than with give_up off, whose wait only doubles). Same tokens either way."""
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  drafter, draft_params = make_drafter("layer_skip", model, params, num_layers=1)
+  ref = generate(model, params, *prompts, max_new_tokens=64)
+  runs = {}
+  for give_up in (0.99, 0.0):
+    cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
+                         draft_cost=0.5, rules=AdaptiveRules(probe_every=2, probe_share=0.0,
+                                                             give_up=give_up))
+    out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                    max_new_tokens=64)
+    assert np.array_equal(out.tokens, ref.tokens)
+    runs[give_up] = out.metrics.adaptive
+    assert int(jnp.sum(runs[give_up].first_accepted_B)) == 0
+  # least_first 0.3625: no agreement in 10 or more seen rules a row out at 0.99 (checks
+  # after 2, 6, 14, 30 steps see 3, 5, 8, 8 guesses: given up after the third)
+  on, off = runs[0.99], runs[0.0]
+  assert int(on.probe_interval) == 64 * 2 and int(off.probe_interval) < 64 * 2
+  assert (np.asarray(on.first_seen_B) < np.asarray(off.first_seen_B)).all(), (
+      on.first_seen_B, off.first_seen_B)
+  assert (np.asarray(on.first_seen_B) >= 10).all()
+
+
 def test_no_probe_when_the_budget_left_cannot_repay_it():
   """A probe is due after probe_interval idle rounds, but only while the slowest row still
   has probe_every dearest rounds' worth of plain steps to make (probe_window)."""

@@ -16,7 +16,7 @@ from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, cho
                                         drafting_can_pay, planned_drafts, probe_due,
                                         probe_was_promising, probe_window, row_rule,
                                         scaled_probe_every, schedule_length, steps_to_probe,
-                                        verify_admitted, width_index)
+                                        verify_admitted, width_index, wilson_upper)
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
                                     split_unless_greedy)
@@ -130,18 +130,42 @@ class AdaptiveRound:
                              rules, probe, remaining_B)
     return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
 
-  def watch_pays(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
-    """[] bool, after a catch-up in hindsight: whether the plan drafts now. The plan runs
-    only where some row's first-draft estimate could pay: m drafts yield at most 1 + m * e1
-    tokens (each later draft's survival is at most the first's), so drafting needs
-    e1 > min over m of (cost of m drafts / plain step - 1) / m. A useless draft's stretch
-    then skips the plan's arithmetic at each of its catch-ups."""
+  @functools.cached_property
+  def least_first(self) -> float:
+    """Host-side, from the table: the first-draft acceptance below which no round can pay,
+    even with every later draft accepted: m drafts yield at most 1 + m * e1 tokens (each
+    later draft's survival is at most the first's), so drafting needs e1 > min over m of
+    (cost of m drafts / plain step - 1) / m."""
     table = self.config.cost_table
     m_G = np.arange(1, len(table.drafting_G) + 1)
-    least_first = float(np.min((table.rounds_G / table.plain - 1.0) / m_G))
-    return cond_in_place(jnp.max(stats.estimate_BG[:, 0]) > least_first,
+    return float(np.min((table.rounds_G / table.plain - 1.0) / m_G))
+
+  def watch_pays(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+    """[] bool, after a catch-up in hindsight: whether the plan drafts now. The plan runs
+    only where some row's first-draft estimate could pay (least_first): a useless draft's
+    stretch then skips the plan's arithmetic at each of its catch-ups."""
+    return cond_in_place(jnp.max(stats.estimate_BG[:, 0]) > self.least_first,
                          lambda _: self.plan(stats, remaining_B, watch=True).drafts,
                          lambda _: jnp.bool_(False), jnp.bool_(False))
+
+  def hopeless(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+    """[] bool, after a probe or a watched stretch that found nothing: no row that still
+    has tokens to make could pay for a round even if its first drafts were accepted at the
+    upper end of what their record allows (AdaptiveRules.give_up) and every later draft
+    were accepted (least_first). Past rounds only (lossless)."""
+    upper_B = wilson_upper(stats.first_accepted_B, stats.first_seen_B,
+                           self.config.rules.give_up)
+    return ~jnp.any((remaining_B > 1) & (upper_B > self.least_first))
+
+  def give_up_if_hopeless(self, stats: AdaptiveStats, looked, remaining_B,
+                          probe_every: int) -> AdaptiveStats:
+    """stats with the longest wait before the next probe where `looked` ([] bool: a probe or
+    a watched stretch found nothing) and the rounds are hopeless (the plan runs only then)."""
+    if not self.config.rules.give_up:
+      return stats
+    hopeless = jax.lax.cond(looked, lambda: self.hopeless(stats, remaining_B),
+                            lambda: jnp.bool_(False))
+    return stats.given_up(hopeless, probe_every)
 
   def never_drafts(self, stats: AdaptiveStats, remaining_B,
                    probe_every: int | None = None) -> jax.Array:
@@ -186,6 +210,9 @@ class AdaptiveRound:
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
         empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising)
+    stats = self.give_up_if_hopeless(
+        stats, probe & ~promising,
+        remaining_tokens(new.done_B, new.num_generated_B, budget_B), probe_every)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
@@ -312,8 +339,12 @@ class AdaptiveRound:
       # probe that was not promising: the wait before the next check grows as it would
       stats = new.metrics.adaptive
       grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
-      new = new.replace(metrics=new.metrics.replace(adaptive=stats.replace(
-          probe_interval=jnp.where((steps >= n) & ~pays, grown, stats.probe_interval))))
+      found_nothing = (steps >= n) & ~pays
+      stats = stats.replace(probe_interval=jnp.where(found_nothing, grown, stats.probe_interval))
+      stats = self.give_up_if_hopeless(
+          stats, found_nothing, remaining_tokens(new.done_B, new.num_generated_B, budget_B),
+          probe_every)
+      new = new.replace(metrics=new.metrics.replace(adaptive=stats))
     new = new.replace(metrics=new.metrics.after_plain_steps(
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
@@ -538,6 +569,11 @@ class AdaptiveTreeRound(AdaptiveRound):
   def probe_every(self, drafter: Drafter, sampling: SamplingConfig) -> int:
     """The rules' own (AdaptiveRules.probe_share scales chains' probes only)."""
     return self.config.rules.probe_every
+
+  def give_up_if_hopeless(self, stats, looked, remaining_B, probe_every: int):
+    """stats unchanged: a tree's node estimates have no first-draft record (give_up is for
+    chains)."""
+    return stats
 
   @functools.cached_property
   def tree_costs(self) -> np.ndarray:
