@@ -17,13 +17,13 @@ import dataclasses
 
 import jax
 
-from spec_jax import adaptive
+from spec_jax import adaptive, recent_programs
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters import registry
 from spec_jax.drafters.factory import make_drafter
 from spec_jax.drafters.registry import TreeOptions
-from spec_jax.speculative import (SpeculativeProgram, check_all_params, passed_draft_params,
-                                  prepare, speculative_jit)
+from spec_jax.speculative import (SpeculativeProgram, call_args, check_all_params,
+                                  passed_draft_params, prepare, speculative_jit)
 from spec_jax.tree_speculative import prepare_tree
 from spec_jax.tree_verify import verify_tree
 from spec_jax.verify import verify
@@ -112,10 +112,26 @@ def measured_program(target, params, drafter, draft_params, prompt_tokens_BP, pr
   """The params checked, the program prepared (prepare_program) and, for gamma="auto"
   without a cost table, the table measured once per target, drafter and batch shape
   (adaptive.with_measured_costs) -> (program, args): what `speculate` and `lower` run."""
+  program = recent_programs.find(target, params, drafter, draft_params, prompt_tokens_BP,
+                                 prompt_lengths_B, settings)
+  if program is not None:  # the same objects and settings as a checked call: its program
+    per_call = {k: settings.get(k, v) for k, v in _PER_CALL_DEFAULTS.items()}
+    args, _ = call_args(target, drafter, program.gamma, prompt_tokens_BP, prompt_lengths_B,
+                        max_new_tokens=settings["max_new_tokens"],
+                        sampling=settings.get("sampling", SamplingConfig()),
+                        cache_len=settings.get("cache_len"), **per_call)
+    return program, args
   signatures = check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   **settings)
-  return adaptive.with_measured_costs(program, params, draft_params, args, signatures), args
+  program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
+  recent_programs.remember(target, params, drafter, draft_params, prompt_tokens_BP,
+                           prompt_lengths_B, settings, program)
+  return program, args
+
+
+# prepare_program's defaults for the settings that are a call's own (recent_programs)
+_PER_CALL_DEFAULTS = dict(eos_id=None, key=None, budgets_B=None, pad_id=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -291,17 +291,28 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
     raise BadArgument(f"gamma (draft length) must be an integer >= 1, got {gamma!r}")
   gamma = int(gamma)
   drafter.check(target, gamma)
+  args, cache_len = call_args(target, drafter, gamma, prompt_tokens_BP, prompt_lengths_B,
+                              max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+                              key=key, budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len)
+  # a drafter that reads several target layers gets them with every target hidden state
+  program = SpeculativeProgram(target_with_features(target, drafter), drafter, gamma,
+                               int(max_new_tokens), cache_len, sampling, verifier)
+  return program, args
+
+
+def call_args(target: CausalLM, drafter: Drafter, gamma: int, prompt_tokens_BP,
+              prompt_lengths_B, *, max_new_tokens: int, sampling: SamplingConfig, eos_id, key,
+              budgets_B, pad_id: int, cache_len: int | None) -> tuple[tuple, int]:
+  """One call's array arguments after the params, validated on the host -> (args,
+  cache_len): what `prepare` checks for every call, the program aside."""
   tokens, lengths, cache_len = check_generation_args(
       target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id, target.vocab_size)
   pad_id = pad_id_value(pad_id, target.vocab_size)
-  # a drafter that reads several target layers gets them with every target hidden state
-  program = SpeculativeProgram(target_with_features(target, drafter), drafter, gamma,
-                               int(max_new_tokens), cache_len, sampling, verifier)
   # numpy, not jnp: an eager device op costs ~50 us of host time per call
-  return program, (tokens, lengths, budgets, np.asarray(eos), np.int32(pad_id), key)
+  return (tokens, lengths, budgets, np.asarray(eos), np.int32(pad_id), key), cache_len
 
 
 def check_all_params(target, params, drafter, draft_params) -> tuple[tuple, tuple]:
