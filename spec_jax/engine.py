@@ -112,21 +112,23 @@ def measured_program(target, params, drafter, draft_params, prompt_tokens_BP, pr
   """The params checked, the program prepared (prepare_program) and, for gamma="auto"
   without a cost table, the table measured once per target, drafter and batch shape
   (adaptive.with_measured_costs) -> (program, args): what `speculate` and `lower` run."""
-  program = recent_programs.find(target, params, drafter, draft_params, prompt_tokens_BP,
-                                 prompt_lengths_B, settings)
-  if program is not None:  # the same objects and settings as a checked call: its program
+  found = recent_programs.find(target, params, drafter, draft_params, prompt_tokens_BP,
+                               prompt_lengths_B, settings)
+  if found is not None:  # the same objects and settings as a checked call: its program
+    program, tokens_shape = found
     per_call = {k: settings.get(k, v) for k, v in _PER_CALL_DEFAULTS.items()}
-    args, _ = call_args(target, drafter, program.gamma, prompt_tokens_BP, prompt_lengths_B,
-                        max_new_tokens=settings["max_new_tokens"],
-                        sampling=settings.get("sampling", SamplingConfig()),
-                        cache_len=settings.get("cache_len"), **per_call)
-    return program, args
+    args, cache_len = call_args(target, drafter, program.gamma, prompt_tokens_BP,
+                                prompt_lengths_B, max_new_tokens=settings["max_new_tokens"],
+                                sampling=settings.get("sampling", SamplingConfig()),
+                                cache_len=settings.get("cache_len"), **per_call)
+    if args[0].shape == tokens_shape and cache_len == program.cache_len:
+      return program, args
   signatures = check_all_params(target, params, drafter, draft_params)
   program, args = prepare_program(target, drafter, prompt_tokens_BP, prompt_lengths_B,
                                   **settings)
   program = adaptive.with_measured_costs(program, params, draft_params, args, signatures)
   recent_programs.remember(target, params, drafter, draft_params, prompt_tokens_BP,
-                           prompt_lengths_B, settings, program)
+                           prompt_lengths_B, settings, program, args[0].shape)
   return program, args
 
 

@@ -30,6 +30,7 @@ class _Entry(NamedTuple):
   treedefs: tuple
   leaves: tuple  # weakrefs to every params leaf, draft params' after the target's
   program: Any
+  tokens_shape: tuple  # the validated prompts' [B, P] (lists of prompts have no shape to key)
 
 
 _ENTRIES: dict[tuple, _Entry] = {}
@@ -58,8 +59,9 @@ def _key(target, params, drafter, draft_params, tokens_BP, lengths_B, settings) 
 
 
 def find(target, params, drafter, draft_params, tokens_BP, lengths_B, settings):
-  """The program a call with these objects and settings built before, if every params leaf
-  is still the same array; else None."""
+  """(program, its validated prompts' shape) a call with these objects and settings built
+  before, if every params leaf is still the same array; else None. The caller checks its
+  own validated prompts against that shape (prompts given as lists key no shape)."""
   key = _key(target, params, drafter, draft_params, tokens_BP, lengths_B, settings)
   entry = None if key is None else _ENTRIES.get(key)
   if entry is None or entry.target is not target or entry.drafter is not drafter:
@@ -69,11 +71,11 @@ def find(target, params, drafter, draft_params, tokens_BP, lengths_B, settings):
     return None
   if any(ref() is not leaf for ref, leaf in zip(entry.leaves, leaves)):
     return None
-  return entry.program
+  return entry.program, entry.tokens_shape
 
 
 def remember(target, params, drafter, draft_params, tokens_BP, lengths_B, settings,
-             program) -> None:
+             program, tokens_shape: tuple) -> None:
   """Keeps the program a validated call built (the oldest entry goes past _MAX_ENTRIES)."""
   key = _key(target, params, drafter, draft_params, tokens_BP, lengths_B, settings)
   if key is None:
@@ -85,7 +87,7 @@ def remember(target, params, drafter, draft_params, tokens_BP, lengths_B, settin
     return
   if len(_ENTRIES) >= _MAX_ENTRIES:
     del _ENTRIES[next(iter(_ENTRIES))]
-  _ENTRIES[key] = _Entry(target, drafter, treedefs, refs, program)
+  _ENTRIES[key] = _Entry(target, drafter, treedefs, refs, program, tuple(tokens_shape))
 
 
 def forget_all() -> None:

@@ -57,6 +57,18 @@ def test_changed_settings_or_objects_build_another_program(setup):
   wider = pad_prompts([[1, 2, 3, 4], [4, 5]])
   assert measured_program(model, params, draft, draft_params, *wider, gamma=3,
                           max_new_tokens=6)[0].cache_len == first.cache_len + 1
+  # prompts given as lists key no shape: the validated ones' must match, or it is rebuilt
+  as_lists = [[1, 2, 3], [4, 5, 0]], [3, 2]
+  listed, _ = measured_program(model, params, draft, draft_params, *as_lists, gamma=3,
+                               max_new_tokens=6)
+  assert listed.cache_len == first.cache_len
+  longer = [[1, 2, 3, 4, 5], [4, 5, 0, 0, 0]], [5, 2]
+  longer_program, longer_args = measured_program(model, params, draft, draft_params, *longer,
+                                                 gamma=3, max_new_tokens=6)
+  assert longer_program.cache_len == first.cache_len + 2 and longer_args[0].shape == (2, 5)
+  out = speculate(model, params, draft, draft_params, *longer, gamma=3, max_new_tokens=6)
+  ref = generate(model, params, *longer, max_new_tokens=6)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
 
 
 def test_every_call_checks_its_own_arguments(setup):
