@@ -14,6 +14,7 @@ hashable program and its array arguments; `speculative_jit(program, params, draf
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 
@@ -116,11 +117,9 @@ def measured_program(target, params, drafter, draft_params, prompt_tokens_BP, pr
                                prompt_lengths_B, settings)
   if found is not None:  # the same objects and settings as a checked call: its program
     program, tokens_shape = found
-    per_call = {k: settings.get(k, v) for k, v in _PER_CALL_DEFAULTS.items()}
+    given = {**_PREPARE_DEFAULTS, **settings}
     args, cache_len = call_args(target, drafter, program.gamma, prompt_tokens_BP,
-                                prompt_lengths_B, max_new_tokens=settings["max_new_tokens"],
-                                sampling=settings.get("sampling", SamplingConfig()),
-                                cache_len=settings.get("cache_len"), **per_call)
+                                prompt_lengths_B, **{k: given[k] for k in _CALL_SETTINGS})
     if args[0].shape == tokens_shape and cache_len == program.cache_len:
       return program, args
   signatures = check_all_params(target, params, drafter, draft_params)
@@ -132,8 +131,14 @@ def measured_program(target, params, drafter, draft_params, prompt_tokens_BP, pr
   return program, args
 
 
-# prepare_program's defaults for the settings that are a call's own (recent_programs)
-_PER_CALL_DEFAULTS = dict(eos_id=None, key=None, budgets_B=None, pad_id=0)
+# what a call found in recent_programs passes to call_args: its keyword settings, with
+# prepare_program's defaults where the call gave none (read from the signatures, so the two
+# paths cannot drift apart)
+_PREPARE_DEFAULTS = {name: p.default for name, p in
+                     inspect.signature(prepare_program).parameters.items()
+                     if p.default is not inspect.Parameter.empty}
+_CALL_SETTINGS = tuple(name for name, p in inspect.signature(call_args).parameters.items()
+                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from flax import struct
 
 from spec_jax.adaptive.config import AdaptiveRules
 from spec_jax.core.sampling import sample
+from spec_jax.metrics import MAX_PROBE_WAIT
 
 # plain_steps' stretch length when no probe is left: until every row is done
 _TO_THE_END = np.iinfo(np.int32).max
@@ -250,7 +251,8 @@ def scaled_probe_every(rules, cost_G1, draft_cost_G, catch_up_cost: float = 0.0)
   loss = cost_G[m] + catch_up_cost / plain - tokens_G[m]
   if loss <= 0:  # drafting pays at the prior: probe as often as the rules say
     return every
-  return int(min(max(every, math.ceil(loss / (rules.probe_share * gain))), 64 * every))
+  return int(min(max(every, math.ceil(loss / (rules.probe_share * gain))),
+                 MAX_PROBE_WAIT * every))
 
 
 def wilson_upper(accepted_B, seen_B, confidence: float) -> jax.Array:
