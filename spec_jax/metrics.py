@@ -26,7 +26,7 @@ class AdaptiveStats:
   widths: tuple = struct.field(pytree_node=False)  # the compiled verification widths
   gamma_B: jax.Array  # [B] int32 the schedule's draft length (HF: +2 full block, -1 otherwise)
   estimate_BG: jax.Array  # [B, G] float32 P(draft i accepted | reached and verified), online
-  idle_rounds: jax.Array  # [] rounds since the last drafted round
+  idle_rounds: jax.Array  # [] rounds since the last drafted round (or look in hindsight)
   probe_interval: jax.Array  # [] idle rounds before a probe drafts anyway
   width_rounds_W: jax.Array  # [W] rounds verified at each width (plain steps at width 1)
   undrafted_rounds: jax.Array  # [] rounds that did not draft at all
@@ -111,12 +111,15 @@ class AdaptiveStats:
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
              rounds=1, plain_row_rounds=None, empty_B=None, prior: float = 0.0,
-             forget: float = 0.0, promising=False) -> "AdaptiveStats":
+             forget: float = 0.0, promising=False, looked=False) -> "AdaptiveStats":
     """After a drafted round, or after `rounds` plain steps run without drafting, in which
     rows were active `plain_row_rounds` times in all (each admitted nothing). In a drafted
     round, the estimates of a row's later positions (past the first) that it did not verify
     or reach move `forget` of the way back to `prior`. promising: the round, a probe, came
-    near paying for itself (AdaptiveRound.drafted_or_plain says how near)."""
+    near paying for itself (AdaptiveRound.drafted_or_plain says how near). looked: the
+    plain steps ended with a look in hindsight that stands for a probe; the idle rounds
+    restart from it, as from a drafted round (counted from the last look, a watched run
+    would otherwise look after every step once they passed the longest wait)."""
     gamma = self.estimate_BG.shape[1]
     j_G = jnp.arange(gamma)[None, :]
     seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (
@@ -145,7 +148,8 @@ class AdaptiveStats:
                           jnp.zeros(gamma + 1, jnp.int32).at[0].set(plain_row_rounds))
     return self.replace(
         gamma_B=gamma_B, estimate_BG=estimate_BG,
-        idle_rounds=jnp.where(drafted, 0, self.idle_rounds + rounds), probe_interval=interval,
+        idle_rounds=jnp.where(drafted | looked, 0, self.idle_rounds + rounds),
+        probe_interval=interval,
         width_rounds_W=self.width_rounds_W.at[width_idx].add(rounds),
         undrafted_rounds=self.undrafted_rounds + (~drafted).astype(jnp.int32) * rounds,
         admitted_hist_G1=self.admitted_hist_G1 + hist_G1,

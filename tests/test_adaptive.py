@@ -1021,6 +1021,26 @@ def test_a_useless_draft_watched_in_hindsight_gives_up(stories, story_prompts):
   assert (np.asarray(on.first_seen_B) >= 10).all()
 
 
+def test_watched_looks_stay_apart_after_the_longest_wait(stories, story_prompts):
+  """A look in hindsight at the end of a watched stretch stands for a probe, and the wait
+  before the next look restarts from it, as a probe's does. Counted from the last drafted
+  round instead (none here), the idle rounds passed the longest wait (64 x probe_every =
+  128) after 128 steps, and from then on every step was a stretch of its own ending in a
+  look: 211 first drafts guessed in 300 tokens, where looks 128 steps apart guess 78."""
+  model, params = stories
+  prompts = pad_prompts(story_prompts, width=12)
+  drafter, draft_params = make_drafter("layer_skip", model, params, num_layers=1)
+  ref = generate(model, params, *prompts, max_new_tokens=300)
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
+                       draft_cost=0.5, rules=AdaptiveRules(probe_every=2, probe_share=0.0))
+  out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                  max_new_tokens=300)
+  assert np.array_equal(out.tokens, ref.tokens)
+  stats = out.metrics.adaptive
+  assert int(stats.probe_interval) == 64 * 2  # given up
+  assert (np.asarray(stats.first_seen_B) < 120).all(), stats.first_seen_B
+
+
 def test_no_probe_when_the_budget_left_cannot_repay_it():
   """A probe is due after probe_interval idle rounds, but only while the slowest row still
   has probe_every dearest rounds' worth of plain steps to make (probe_window)."""

@@ -86,7 +86,8 @@ class AdaptiveRound:
   def no_plain_steps(s):
     """plain_steps' outputs for no steps (the branch a forced round never takes)."""
     zeros_B = jnp.zeros_like(s.pending_B)
-    return s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros_like(s.done_B)
+    return (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
+            jnp.zeros_like(s.done_B), jnp.bool_(False))
 
   def watches(self, drafter: Drafter, sampling: SamplingConfig) -> bool:
     """Static: whether plain stretches learn the estimates in hindsight (the drafter's
@@ -180,8 +181,10 @@ class AdaptiveRound:
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
                        round_cost, budget_B, probe_every: int, catch_up_cost=0.0):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
-    (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B)),
-    then the acceptance statistics updated and written back into the metrics.
+    (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B,
+    looked), looked: [] bool, the round ended with a look in hindsight that stands for a
+    probe, plain_stretch), then the acceptance statistics updated and written back into the
+    metrics.
     round_cost(width index) -> [] the drafted round's cost, from the table.
 
     A probe is promising when its drafts advanced the batch's finish (the largest remaining
@@ -198,9 +201,10 @@ class AdaptiveRound:
     rules = self.config.rules
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
-               jnp.zeros_like(s.done_B))
-    new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B = cond_in_place(
-        draft_now, lambda o: drafted_round(o[0]), lambda o: plain_steps(o[0]), outputs)
+               jnp.zeros_like(s.done_B), jnp.bool_(False))
+    (new, admitted_B, num_accepted_B, w_idx, steps, plain_row_rounds, empty_B,
+     looked) = cond_in_place(draft_now, lambda o: drafted_round(o[0]),
+                             lambda o: plain_steps(o[0]), outputs)
     # (a tree round has already updated its node estimates in new's stats)
     promising = probe_was_promising(
         budget_B - s.num_generated_B, budget_B - new.num_generated_B, ~s.done_B,
@@ -209,7 +213,8 @@ class AdaptiveRound:
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
-        empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising)
+        empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising,
+        looked=looked)
     stats = self.give_up_if_hopeless(
         stats, probe & ~promising,
         remaining_tokens(new.done_B, new.num_generated_B, budget_B), probe_every)
@@ -227,7 +232,7 @@ class AdaptiveRound:
     catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step. watch (see
     `watches`): the stretch learns from each catch-up in hindsight, and ends early when
     drafting pays.
-    -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B)."""
+    -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B, looked)."""
     stats: AdaptiveStats = s.metrics.adaptive
     n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
                        last_probe, can_probe)
@@ -246,7 +251,8 @@ class AdaptiveRound:
     n = self.capped(n)
     steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
                                               one, (jnp.int32(0), jnp.int32(0), s))
-    return s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B)
+    return (s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B),
+            jnp.bool_(False))
 
   def capped(self, n):
     """n plain steps, at most AdaptiveConfig.max_stretch of them in this round (the rest
@@ -334,9 +340,11 @@ class AdaptiveRound:
     else:
       steps, active_steps_B, new, pays = cond_in_place(n == _TO_THE_END, to_the_end, chunks,
                                                        carry)
+    found_nothing = jnp.bool_(False)
     if watch:
       # a stretch that watched to its end without finding drafting worth it stands for a
-      # probe that was not promising: the wait before the next check grows as it would
+      # probe that was not promising: the wait before the next check grows as it would, and
+      # restarts from this look (`looked`), as a probe's does
       stats = new.metrics.adaptive
       grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
       found_nothing = (steps >= n) & ~pays
@@ -348,7 +356,7 @@ class AdaptiveRound:
     new = new.replace(metrics=new.metrics.after_plain_steps(
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
     return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
-            jnp.zeros_like(s.done_B))
+            jnp.zeros_like(s.done_B), found_nothing)
 
   def token_step(self, target, drafter, sampling, params, draft_params, lengths_B, budget_B,
                  eos_id, *, record: bool):
@@ -387,7 +395,7 @@ class AdaptiveRound:
       new = new.replace(metrics=new.metrics.after_plain_steps(
           steps, active_steps_B, new.num_generated_B - s.num_generated_B))
       return (new, zeros_B, zeros_B, jnp.int32(0), steps, jnp.sum(active_steps_B),
-              jnp.zeros_like(s.done_B))
+              jnp.zeros_like(s.done_B), jnp.bool_(False))
 
     costs_W = jnp.asarray(self.config.cost_table.target_W)
     return self.drafted_or_plain(
@@ -494,7 +502,8 @@ class AdaptiveRound:
         w_idx, [branch(w) for w in cfg.widths],
         (s.replace(draft_state=draft_state), jnp.zeros_like(s.pending_B)))
     empty_B = jnp.zeros_like(active_B) if empty_B is None else empty_B
-    return new, admitted_B, num_accepted_B, w_idx, jnp.int32(1), jnp.int32(0), empty_B
+    return (new, admitted_B, num_accepted_B, w_idx, jnp.int32(1), jnp.int32(0), empty_B,
+            jnp.bool_(False))
 
   @staticmethod
   def step(target, drafter, gamma, sampling, verifier, params, draft_params, lengths_B, budget_B,
@@ -631,4 +640,4 @@ class AdaptiveTreeRound(AdaptiveRound):
     new = new.replace(metrics=new.metrics.replace(adaptive=stats))
     admitted_B = jnp.where(active_B, reach_B, 0).astype(jnp.int32)
     return (new, admitted_B, num_accepted_B, budget_idx + 1, jnp.int32(1), jnp.int32(0),
-            jnp.zeros_like(active_B))
+            jnp.zeros_like(active_B), jnp.bool_(False))
