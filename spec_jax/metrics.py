@@ -118,8 +118,8 @@ class AdaptiveStats:
     or reach move `forget` of the way back to `prior`. promising: the round, a probe, came
     near paying for itself (AdaptiveRound.drafted_or_plain says how near). looked: the
     plain steps ended with a look in hindsight that stands for a probe; the idle rounds
-    restart from it, as from a drafted round (counted from the last look, a watched run
-    would otherwise look after every step once they passed the longest wait)."""
+    restart from it, as from a drafted round (counted from the last drafted round instead,
+    a watched run looked after every step once they passed the longest wait)."""
     gamma = self.estimate_BG.shape[1]
     j_G = jnp.arange(gamma)[None, :]
     seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (

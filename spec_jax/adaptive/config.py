@@ -104,8 +104,8 @@ class AdaptiveRules:
     HINDSIGHT_WIDTH positions of each catch-up), as a verified round of drafts would, and end
     when drafting pays: no probes. A stretch that found nothing counts as a probe that was
     not promising (the wait grows, and restarts from that look), so watching stops where
-    probing would. Measured side
-    by side (stop 39, one table each; the last run with these rules): the built-in pair's
+    probing would. Measured side by side (stop 39, one table each; the last run with these
+    rules): the built-in pair's
     6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x / 1.37x (gamma 4
     1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x against 0.93x /
     0.90x. False: probes, as for every other drafter and for sampled runs.

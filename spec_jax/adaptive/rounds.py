@@ -182,9 +182,9 @@ class AdaptiveRound:
                        round_cost, budget_B, probe_every: int, catch_up_cost=0.0):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B,
-    looked), looked: [] bool, the round ended with a look in hindsight that stands for a
-    probe, plain_stretch), then the acceptance statistics updated and written back into the
-    metrics.
+    looked), where looked ([] bool) says the round was a watched stretch that ended in a
+    look standing for a probe: plain_stretch), then the acceptance statistics updated and
+    written back into the metrics.
     round_cost(width index) -> [] the drafted round's cost, from the table.
 
     A probe is promising when its drafts advanced the batch's finish (the largest remaining
