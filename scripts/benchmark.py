@@ -21,7 +21,9 @@ Scenarios:
 
 Every comparison runs in one process: all programs are compiled first (AOT, timed apart),
 warmed up, then timed in interleaved repeats (medians), so a shared machine's drift hits
-every row alike. Writes results.json (after each scenario, so a crash keeps the ones done),
+every row alike. --processes K repeats the whole run in K fresh processes and reports
+medians over them: a process's compiles and start-up cost tables are one draw each, and on a
+shared CPU they move ratios by several percent (spec_jax.bench.merge). Writes results.json (after each scenario, so a crash keeps the ones done),
 then results.md and PNG plots into the --out folder. The harness is the library
 spec_jax.bench; the scenarios are spec_jax.bench.scenarios.
 """
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from spec_jax import cli
-from spec_jax.bench import report, sections
+from spec_jax.bench import merge, report, sections
 from spec_jax.bench import scenarios as sc
 from spec_jax.bench.machine import describe_machine
 from spec_jax.bench.real_model import section as real_model_section
@@ -81,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--compile-workers", type=cli.positive_int, default=None,
                  help="programs compiled at once (default 1; quick 2, whose compile_s are then "
                       "contended wall times)")
+  p.add_argument("--processes", type=cli.positive_int, default=1,
+                 help="run the benchmark in this many fresh processes, one after another, and "
+                      "report medians over them (spec_jax.bench.merge; each process's "
+                      "results go to OUT/process_<i>)")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="override one field of the scenarios' Plan (spec_jax.bench.scenarios), "
                       "e.g. --set sw_batches=1,16 --set s1_kinds=draft_model; repeatable")
@@ -116,12 +124,54 @@ def json_path_of(out: str) -> Path:
   return path if path.suffix == ".json" else path / "results.json"
 
 
+def child_argv(argv: list[str]) -> list[str]:
+  """argv without --processes and --out (each child gets its own --out)."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a in ("--processes", "--out"):
+      skip = True
+    elif not a.startswith(("--processes=", "--out=")):
+      out.append(a)
+  return out
+
+
+def run_processes(args: argparse.Namespace, argv: list[str]) -> int:
+  """--processes K: this script K times in fresh processes, one after another (never at
+  once: they would time each other), each into OUT/process_<i>; then their results merged
+  into OUT (medians: spec_jax.bench.merge). A child that exits 1 (a failed scenario) is
+  merged with its error; one that cannot run at all stops here."""
+  path = json_path_of(args.out)
+  runs, failed = [], False
+  for i in range(args.processes):
+    out = path.parent / f"process_{i}"
+    log(f"== process {i + 1} of {args.processes} -> {out} ==")
+    status = subprocess.call([sys.executable, str(Path(__file__).resolve()),
+                              *child_argv(argv), "--out", str(out)])
+    if status not in (0, 1) or not (out / "results.json").exists():
+      raise RuntimeError(f"benchmark process {i + 1} of {args.processes} exited with status "
+                         f"{status} (its output is above)")
+    failed |= status == 1
+    runs.append(json.loads((out / "results.json").read_text()))
+  merged = merge.merge_results(runs)
+  chosen = {key: SCENARIOS[key] for key in args.scenarios}
+  report.write_reports(merged, path,
+                       sections={k: s.section for k, s in chosen.items() if s.section},
+                       plot_keys=[k for k, s in SCENARIOS.items() if s.plotted])
+  log(f"merged {args.processes} processes into {path} and {path.parent / 'results.md'}")
+  return 1 if failed or merged["errors"] else 0
+
+
 def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   try:
     report.require_plotting()  # before the long part, not after it
   except ImportError as e:
     sys.exit(str(e))
+  if args.processes > 1:
+    return run_processes(args, argv)
   plan = plan_of(args)
   path = json_path_of(args.out)
   start = time.perf_counter()

@@ -372,3 +372,62 @@ def test_the_accelerator_check_parses_and_sets_only_real_plan_fields(tmp_path):
                         text=True, timeout=TIMEOUT_S,
                         env={**os.environ, "OUT": str(tmp_path)})
   assert proc.returncode == 2 and "unknown mode nope" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _process_result(speedups, per_prompt, identical=True, status="ok", error=None):
+  """A results.json as one benchmark process writes it, with one speculative row."""
+  row = {"label": "auto", "method": "speculative", "speedup": speedups, "run_s": 1.0 / speedups,
+         "identical": identical, "speedup_per_prompt": per_prompt,
+         "speedup_worst_prompt": min(per_prompt), "width_rounds": {"1": 3}, "gamma": "auto"}
+  if error:
+    row = {"label": "auto", "error": error}
+  base = {"label": "autoregressive", "method": "autoregressive", "speedup": 1.0,
+          "run_s": 1.0, "identical": True}
+  return {"machine": {"date": "d"}, "config": {"quick": True, "repeats": 3},
+          "scenarios": {"1": {"name": "s", "status": status, "rows": [base, row],
+                              "notes": ["a note"], "wall_s": 2.0}},
+          "errors": [f"auto: {error}"] if error else [], "recompilations": 0,
+          "compile_counts": {"speculative_jit": 2}, "wall_s": 3.0}
+
+
+def test_merged_processes_report_medians_per_row_and_per_prompt():
+  """--processes K: each number is the median over processes, per-prompt lists per prompt,
+  the worst prompt recomputed from those medians (not the median of the worst), identity
+  must hold in every process, and each row keeps every process's own speed-up."""
+  from spec_jax.bench.merge import merge_results
+  runs = [_process_result(0.92, [0.90, 1.00]), _process_result(1.00, [1.02, 0.94]),
+          _process_result(0.96, [0.96, 0.97], identical=False)]
+  merged = merge_results(runs)
+  rows = {r["label"]: r for r in merged["scenarios"]["1"]["rows"]}
+  auto = rows["auto"]
+  assert auto["speedup"] == pytest.approx(0.96) and auto["speedup_processes"] == [0.92, 1.0, 0.96]
+  assert auto["speedup_per_prompt"] == pytest.approx([0.96, 0.97])
+  assert auto["speedup_worst_prompt"] == pytest.approx(0.96)  # median of the worst: 0.94
+  assert auto["identical"] is False and rows["autoregressive"]["identical"] is True
+  assert auto["gamma"] == "auto" and auto["width_rounds"] == {"1": 3}  # the first process's
+  assert merged["processes"] == 3 and merged["config"]["processes"] == 3
+  assert merged["compile_counts"] == {"speculative_jit": 6} and merged["wall_s"] == 9.0
+  assert "medians over 3 processes" in merged["scenarios"]["1"]["notes"][-1]
+
+
+def test_merged_processes_keep_errors_and_failed_scenarios():
+  from spec_jax.bench.merge import merge_results
+  merged = merge_results([_process_result(0.9, [0.9]), _process_result(0.9, [0.9], error="boom")])
+  auto = next(r for r in merged["scenarios"]["1"]["rows"] if r["label"] == "auto")
+  assert auto["error"] == "boom" and merged["errors"] == ["auto: boom"]
+  skipped_run = _process_result(0.9, [0.9], status="skipped")
+  merged = merge_results([_process_result(0.9, [0.9]), skipped_run])
+  assert merged["scenarios"]["1"]["status"] == "skipped"
+  with pytest.raises(ValueError, match="no results"):
+    merge_results([])
+
+
+def test_each_benchmark_process_gets_its_own_out_folder():
+  sys.path.insert(0, str(REPO / "scripts"))
+  try:
+    import benchmark
+  finally:
+    sys.path.pop(0)
+  argv = ["--scenarios", "1", "--processes", "3", "--out=/x", "--set", "repeats=3",
+          "--processes=2", "--out", "/y", "--quick"]
+  assert benchmark.child_argv(argv) == ["--scenarios", "1", "--set", "repeats=3", "--quick"]

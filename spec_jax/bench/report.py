@@ -91,7 +91,9 @@ def markdown(results: dict, sections: dict[str, Section] | None = None) -> str:
            f"{m['date']} · {m['cpu_model']} · {m['cpu_count']} cores · jax {m['jax']} "
            f"({m['jax_backend']}: {', '.join(m['jax_devices'])}) · {m['dtype']} · "
            f"{'quick' if results['config']['quick'] else 'full'} mode, "
-           f"{results['config']['repeats']} repeats (medians)", "",
+           f"{results['config']['repeats']} repeats (medians)"
+           + (f", medians over {results['processes']} processes"
+              if results.get("processes", 1) > 1 else ""), "",
            f"Load average at start {m['load_average_start']}, at end "
            f"{results.get('load_average_end')}. {m['note']}.", "",
            f"Recompilations after warm-up: **{results['recompilations']}**; compiled programs: "

@@ -1,0 +1,100 @@
+"""Several benchmark processes' results.json merged into one (scripts/benchmark.py
+--processes K).
+
+Why processes, not more repeats: each process compiles its own programs, lays out its own
+buffers and, for gamma="auto", times its own cost table at start-up. On this shared 2-core
+CPU those vary between processes more than repeats vary within one: the same compiled
+`auto` program of a useless draft read 0.92x, 0.93x, 0.95x, 0.98x and 1.00x autoregressive
+in five processes, while three compiles of it within one process agreed to 1%. A figure
+from one process is one draw of that spread; the median over K is the program's own.
+
+Rows match by scenario and label. Numbers take the median over the processes, lists of
+numbers the median per element (per-prompt speed-ups), booleans must hold in every process
+(identical output), anything else comes from the first process. Each merged row also keeps
+its per-process speed-ups (speedup_processes), and the worst prompt is recomputed from the
+per-prompt medians.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from numbers import Real
+from typing import Any
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def _median_or_none(values):
+  """The median of the finite numbers among values; None when there is none (a row whose
+  speed-up had no baseline, a NaN statistic)."""
+  finite = [float(v) for v in values if _is_number(v) and math.isfinite(v)]
+  return statistics.median(finite) if finite else None
+
+
+def merge_field(values: list) -> Any:
+  """One field of the same row over processes: see the module docstring."""
+  first = values[0]
+  if all(isinstance(v, bool) for v in values):
+    return all(values)
+  if all(v is None or _is_number(v) for v in values) and any(_is_number(v) for v in values):
+    return _median_or_none(values)
+  if (all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1
+      and all(x is None or _is_number(x) for v in values for x in v)):
+    return [_median_or_none(column) for column in zip(*values)]
+  return first
+
+
+def merge_rows(rows: list[dict]) -> dict:
+  """One row (the same label in each process) -> the merged row."""
+  keys = list(dict.fromkeys(k for row in rows for k in row))
+  merged = {k: merge_field([row.get(k) for row in rows]) for k in keys}
+  merged["speedup_processes"] = [row.get("speedup") for row in rows]
+  per_prompt = merged.get("speedup_per_prompt")
+  if isinstance(per_prompt, list) and per_prompt and all(_is_number(x) for x in per_prompt):
+    merged["speedup_worst_prompt"] = min(per_prompt)
+  errors = [row["error"] for row in rows if "error" in row]
+  if errors:  # a row that failed anywhere failed
+    merged["error"] = errors[0]
+  return merged
+
+
+def merge_scenario(results: list[dict]) -> dict:
+  """One scenario's results from each process -> merged (rows matched by label; a row
+  missing from some process is kept from those that have it)."""
+  base = dict(results[0])
+  if any(r.get("status") != "ok" for r in results):
+    bad = next(r for r in results if r.get("status") != "ok")
+    return {**bad, "processes": len(results)}
+  labels = list(dict.fromkeys(row["label"] for r in results for row in r.get("rows", [])))
+  base["rows"] = [merge_rows([row for r in results for row in r.get("rows", [])
+                              if row["label"] == label]) for label in labels]
+  base["wall_s"] = sum(r.get("wall_s", 0.0) for r in results)
+  base["processes"] = len(results)
+  base["notes"] = list(base.get("notes", [])) + [
+      f"figures are medians over {len(results)} processes (speedup_processes: each "
+      f"process's own)"]
+  return base
+
+
+def merge_results(results: list[dict]) -> dict:
+  """Each process's results.json (same scenarios and plan) -> one, as if from one run:
+  scenarios merged (merge_scenario), errors collected, recompilations and wall time summed."""
+  if not results:
+    raise ValueError("no results to merge")
+  keys = list(dict.fromkeys(k for r in results for k in r.get("scenarios", {})))
+  merged = dict(results[0])
+  merged["scenarios"] = {
+      k: merge_scenario([r["scenarios"][k] for r in results if k in r.get("scenarios", {})])
+      for k in keys}
+  merged["errors"] = [e for r in results for e in r.get("errors", [])]
+  merged["recompilations"] = sum(r.get("recompilations", 0) or 0 for r in results)
+  merged["wall_s"] = sum(r.get("wall_s", 0.0) or 0.0 for r in results)
+  counts = [r.get("compile_counts") or {} for r in results]
+  merged["compile_counts"] = {name: sum(c.get(name, 0) for c in counts)
+                              for name in dict.fromkeys(n for c in counts for n in c)}
+  merged["processes"] = len(results)
+  merged["config"] = {**results[0].get("config", {}), "processes": len(results)}
+  return merged
