@@ -408,6 +408,14 @@ def test_merged_processes_report_medians_per_row_and_per_prompt():
   assert merged["processes"] == 3 and merged["config"]["processes"] == 3
   assert merged["compile_counts"] == {"speculative_jit": 6} and merged["wall_s"] == 9.0
   assert "medians over 3 processes" in merged["scenarios"]["1"]["notes"][-1]
+  # scenario 2's per-prompt records: numbers by median, a best gamma kept as a choice
+  entries = [[{"drafter": "d", "prompt": 0, "best_fixed_gamma": g, "auto_over_best": x}]
+             for g, x in ((4, 0.9), (6, 1.0), (4, 0.95))]
+  for run, entry in zip(runs, entries):
+    run["scenarios"]["1"]["per_prompt"] = entry
+  (entry,) = merge_results(runs)["scenarios"]["1"]["per_prompt"]
+  assert entry == {"drafter": "d", "prompt": 0, "best_fixed_gamma": [4, 6, 4],
+                   "auto_over_best": pytest.approx(0.95)}
 
 
 def test_merged_processes_keep_errors_and_failed_scenarios():

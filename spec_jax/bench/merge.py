@@ -10,9 +10,11 @@ from one process is one draw of that spread; the median over K is the program's 
 
 Rows match by scenario and label. Numbers take the median over the processes, lists of
 numbers the median per element (per-prompt speed-ups), booleans must hold in every process
-(identical output), anything else comes from the first process. Each merged row also keeps
-its per-process speed-ups (speedup_processes), and the worst prompt is recomputed from the
-per-prompt medians.
+(identical output), choices (a best gamma, a batch size) stay one value where every process
+agrees and become the list of them where not, anything else comes from the first process.
+Each merged row also keeps its per-process speed-ups (speedup_processes), and the worst
+prompt is recomputed from the per-prompt medians. A scenario's list of per-prompt records
+(scenario 2's per_prompt: auto against the best fixed gamma) merges record by record alike.
 """
 
 from __future__ import annotations
@@ -34,9 +36,15 @@ def _median_or_none(values):
   return statistics.median(finite) if finite else None
 
 
-def merge_field(values: list) -> Any:
-  """One field of the same row over processes: see the module docstring."""
+# integer fields that name a choice, not a count: a median of gammas 2, 4 and 6 is no gamma
+CHOICES = ("gamma", "best_fixed_gamma", "batch", "prompt")
+
+
+def merge_field(values: list, key: str = "") -> Any:
+  """One field of the same record over processes: see the module docstring."""
   first = values[0]
+  if key in CHOICES:
+    return first if all(v == first for v in values) else list(values)
   if all(isinstance(v, bool) for v in values):
     return all(values)
   if all(v is None or _is_number(v) for v in values) and any(_is_number(v) for v in values):
@@ -50,7 +58,7 @@ def merge_field(values: list) -> Any:
 def merge_rows(rows: list[dict]) -> dict:
   """One row (the same label in each process) -> the merged row."""
   keys = list(dict.fromkeys(k for row in rows for k in row))
-  merged = {k: merge_field([row.get(k) for row in rows]) for k in keys}
+  merged = {k: merge_field([row.get(k) for row in rows], k) for k in keys}
   merged["speedup_processes"] = [row.get("speedup") for row in rows]
   per_prompt = merged.get("speedup_per_prompt")
   if isinstance(per_prompt, list) and per_prompt and all(_is_number(x) for x in per_prompt):
@@ -71,6 +79,12 @@ def merge_scenario(results: list[dict]) -> dict:
   labels = list(dict.fromkeys(row["label"] for r in results for row in r.get("rows", [])))
   base["rows"] = [merge_rows([row for r in results for row in r.get("rows", [])
                               if row["label"] == label]) for label in labels]
+  per_prompt = [r.get("per_prompt") for r in results]
+  if all(isinstance(p, list) and p for p in per_prompt) and len({len(p) for p in per_prompt}) == 1:
+    base["per_prompt"] = [
+        {k: merge_field([e.get(k) for e in entries], k)
+         for k in dict.fromkeys(k for e in entries for k in e)}
+        for entries in zip(*per_prompt)]
   base["wall_s"] = sum(r.get("wall_s", 0.0) for r in results)
   base["processes"] = len(results)
   base["notes"] = list(base.get("notes", [])) + [
