@@ -96,6 +96,8 @@ def test_quick_benchmark_scenario_contents(quick_run):
     assert all(r["acceptance_rate"] == 1.0 for r in sanity)
     auto = [r for r in rows if r["gamma"] == "auto"]  # the quick plan: prompt lookup's
     assert len(auto) == 1 and auto[0]["speedup"] > 0
+    # what the start-up table decided, recorded with the row
+    assert isinstance(auto[0]["drafts_never"], bool) and auto[0]["check_every"] >= 1
   spec = [r for r in _ok_rows(s["3"]) if r["method"] == "speculative"]
   assert spec
   for row in spec:
@@ -383,8 +385,9 @@ def _process_result(speedups, per_prompt, identical=True, status="ok", error=Non
     row = {"label": "auto", "error": error}
   base = {"label": "autoregressive", "method": "autoregressive", "speedup": 1.0,
           "run_s": 1.0, "identical": True}
+  other_batch = {**row, "batch": 16, "speedup": 2 * speedups}  # the same label, batch 16
   return {"machine": {"date": "d"}, "config": {"quick": True, "repeats": 3},
-          "scenarios": {"1": {"name": "s", "status": status, "rows": [base, row],
+          "scenarios": {"1": {"name": "s", "status": status, "rows": [base, row, other_batch],
                               "notes": ["a note"], "wall_s": 2.0}},
           "errors": [f"auto: {error}"] if error else [], "recompilations": 0,
           "compile_counts": {"speculative_jit": 2}, "wall_s": 3.0}
@@ -398,8 +401,10 @@ def test_merged_processes_report_medians_per_row_and_per_prompt():
   runs = [_process_result(0.92, [0.90, 1.00]), _process_result(1.00, [1.02, 0.94]),
           _process_result(0.96, [0.96, 0.97], identical=False)]
   merged = merge_results(runs)
-  rows = {r["label"]: r for r in merged["scenarios"]["1"]["rows"]}
+  rows = {r["label"]: r for r in merged["scenarios"]["1"]["rows"] if r.get("batch") != 16}
   auto = rows["auto"]
+  (batch_16,) = [r for r in merged["scenarios"]["1"]["rows"] if r.get("batch") == 16]
+  assert batch_16["speedup"] == pytest.approx(1.92)  # rows match by label and batch
   assert auto["speedup"] == pytest.approx(0.96) and auto["speedup_processes"] == [0.92, 1.0, 0.96]
   assert auto["speedup_per_prompt"] == pytest.approx([0.96, 0.97])
   assert auto["speedup_worst_prompt"] == pytest.approx(0.96)  # median of the worst: 0.94

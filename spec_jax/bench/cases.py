@@ -34,8 +34,9 @@ class Case:
   lower: Callable[[np.ndarray, np.ndarray], Any] | None  # AOT lowering; None: not JAX
   info: dict  # copied into the case's record (method, drafter, gamma, batch, ...)
   # run once before any case compiles, one case at a time (gamma="auto": measures the cost
-  # table, whose timings must not share the cores with other cases' compiles)
-  prepare: Callable[[np.ndarray, np.ndarray], Any] | None = None
+  # table, whose timings must not share the cores with other cases' compiles); a dict it
+  # returns goes into the case's record
+  prepare: Callable[[np.ndarray, np.ndarray], dict | None] | None = None
 
 
 def ar_case(model, params, *, max_new_tokens: int, cache_len: int, label="autoregressive",
@@ -74,8 +75,14 @@ def spec_case(model, params, spec_drafter, draft_params, *, gamma,
     return speculative_generate(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
 
   def measure_costs(tokens, lengths):
+    # what the start-up table decided, for the row: a program that can never draft runs
+    # generate's loop alone, one that can pays its checks (the table is timed per process,
+    # so runs of one benchmark may differ here, and their speed with it)
     from spec_jax.engine import measured_program
-    measured_program(model, params, spec_drafter, draft_params, tokens, lengths, **kw)
+    program, _ = measured_program(model, params, spec_drafter, draft_params, tokens, lengths,
+                                  **kw)
+    return {"drafts_never": program.drafts_never(int(np.shape(tokens)[0])),
+            "check_every": program.probe_every}
 
   def lower(tokens, lengths):
     if adaptive:
@@ -111,12 +118,14 @@ def compile_case(case: Case, tokens, lengths) -> dict:
 
 
 def prepare_case(case: Case, tokens, lengths, tag: str) -> dict | Exception:
-  """Runs the case's `prepare` (timed: {"prepare_s"}; None where it has none), or returns the
-  exception it raised."""
+  """Runs the case's `prepare` (timed: {"prepare_s"}; None where it has none), with the facts
+  it returns (a dict, or None) about the program it prepared, or returns the exception it
+  raised."""
   if case.prepare is None:
     return {"prepare_s": None}
   try:
-    return {"prepare_s": timed(lambda: case.prepare(tokens, lengths))[1]}
+    facts, seconds = timed(lambda: case.prepare(tokens, lengths))
+    return {"prepare_s": seconds, **(facts or {})}
   except Exception as e:  # noqa: BLE001  one broken drafter must not sink the benchmark
     log(f"[{tag}] {case.label}: FAILED to prepare ({type(e).__name__}: {e})")
     return e

@@ -8,7 +8,7 @@ CPU those vary between processes more than repeats vary within one: the same com
 in five processes, while three compiles of it within one process agreed to 1%. A figure
 from one process is one draw of that spread; the median over K is the program's own.
 
-Rows match by scenario and label. Numbers take the median over the processes, lists of
+Rows match by scenario, label, batch size and model. Numbers take the median over the processes, lists of
 numbers the median per element (per-prompt speed-ups), booleans must hold in every process
 (identical output), choices (a best gamma, a batch size) stay one value where every process
 agrees and become the list of them where not, anything else comes from the first process.
@@ -69,16 +69,22 @@ def merge_rows(rows: list[dict]) -> dict:
   return merged
 
 
+def row_key(row: dict) -> tuple:
+  """What names a row within a scenario: its label, batch size and model (scenario 1 has a
+  row of each label per batch; the batch sweep one per model)."""
+  return row["label"], repr(row.get("batch")), repr(row.get("model"))
+
+
 def merge_scenario(results: list[dict]) -> dict:
-  """One scenario's results from each process -> merged (rows matched by label; a row
+  """One scenario's results from each process -> merged (rows matched by row_key; a row
   missing from some process is kept from those that have it)."""
   base = dict(results[0])
   if any(r.get("status") != "ok" for r in results):
     bad = next(r for r in results if r.get("status") != "ok")
     return {**bad, "processes": len(results)}
-  labels = list(dict.fromkeys(row["label"] for r in results for row in r.get("rows", [])))
+  keys = list(dict.fromkeys(row_key(row) for r in results for row in r.get("rows", [])))
   base["rows"] = [merge_rows([row for r in results for row in r.get("rows", [])
-                              if row["label"] == label]) for label in labels]
+                              if row_key(row) == key]) for key in keys]
   per_prompt = [r.get("per_prompt") for r in results]
   if all(isinstance(p, list) and p for p in per_prompt) and len({len(p) for p in per_prompt}) == 1:
     base["per_prompt"] = [
