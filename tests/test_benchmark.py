@@ -329,11 +329,12 @@ def test_plan_fields_are_set_from_the_command_line():
   plan = override_plan(Plan(), ["sw_batches=1,16,64", "s1_auto=draft model: random,layer skip",
                                 "sw_kinds=", "sw_synthetic_alpha=none", "s2_auto=false",
                                 "s3_dtype=bfloat16", "repeats=3", "s3_alphas=0.5,0.9",
-                                "rm_hf=0"])
+                                "rm_hf=0", "s2_block_gammas="])
   assert plan.sw_batches == (1, 16, 64) and plan.sw_kinds == () and plan.repeats == 3
   assert plan.s1_auto == ("draft model: random", "layer skip")
   assert plan.sw_synthetic_alpha is None and plan.s2_auto is False
   assert plan.s3_dtype == "bfloat16" and plan.s3_alphas == (0.5, 0.9)
+  assert plan.s2_block_gammas == ()  # no DSpark rows
   for bad, says in [("nope=1", "expected FIELD=VALUE"), ("repeats", "expected FIELD=VALUE"),
                     ("repeats=many", "'many' is not an int"), ("s2_auto=maybe", "true or false"),
                     ("s3_target=1", "not settable"), ("repeats=none", "not an int"),

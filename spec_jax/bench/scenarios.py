@@ -136,7 +136,7 @@ def override_plan(plan: Plan, assignments: list[str]) -> Plan:
                        f"{sorted(n for n, t in hints.items() if 'dict' not in t)}")
     hint = hints[name]
     try:
-      changes[name] = value = _parse_field(hint, text)
+      changes[name] = value = _parse_field(hint, text, may_be_empty=name in _MAY_BE_EMPTY)
       if hint == "int" and value == 0 and name not in _MAY_BE_ZERO:
         raise ValueError("needs a positive int")
       if name in _CHOICES and value not in _CHOICES[name]:
@@ -149,9 +149,12 @@ def override_plan(plan: Plan, assignments: list[str]) -> Plan:
 _CHOICES = {"layout": set(LAYOUTS), "s3_dtype": {"float32", "bfloat16"}}
 # counts that may be 0 (every other int, and every number in a tuple, must be positive)
 _MAY_BE_ZERO = {"rm_hf"}
+# number tuples that may be empty: rows a scenario can leave out ("s2_block_gammas=": no
+# DSpark rows)
+_MAY_BE_EMPTY = {"s2_block_gammas"}
 
 
-def _parse_field(hint: str, text: str):
+def _parse_field(hint: str, text: str, *, may_be_empty: bool = False):
   if "None" in hint and text.lower() == "none":
     return None
   if hint.startswith("dict"):
@@ -159,7 +162,7 @@ def _parse_field(hint: str, text: str):
   if hint.startswith("tuple"):
     parts = [p.strip() for p in text.split(",") if p.strip()]
     scalar = "str" if "tuple[str" in hint else ("float" if "tuple[float" in hint else "int")
-    if not parts and scalar != "str":
+    if not parts and scalar != "str" and not may_be_empty:
       raise ValueError("needs at least one value")
     return tuple(_parse_scalar(scalar, p, positive=True) for p in parts)
   return _parse_scalar(hint.split(" ")[0], text)
