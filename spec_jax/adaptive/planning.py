@@ -92,19 +92,28 @@ def schedule_length(survival_BG, admitted_B, active_B, cost_G1, estimate_BG=None
   # best_G[k]: the best rate over lengths m >= k + 1 reachable from position k (0-based)
   best_G = tokens_G1[1:] / cost_G1[1:]
   if estimate_BG is not None:
-    limit_B = jnp.full_like(admitted_B, gamma) if limit_B is None else limit_B
-    est_BG = jnp.minimum(estimate_BG, 1.0)
-    best = []
-    for k in range(gamma):  # static and small (gamma_max)
-      # row b's projected survivals at k+1..gamma-1, from its survival at k (live rows)
-      proj_BJ = survival_BG[:, k:k + 1] * jnp.cumprod(est_BG[:, k + 1:], axis=1)
-      proj_BJ = jnp.where(live_BG[:, k:k + 1] & (j_G[None, k + 1:] < limit_B[:, None]),
-                          proj_BJ, 0.0)
-      tokens_J = tokens_G1[k + 1] + jnp.cumsum(jnp.sum(proj_BJ, axis=0))
-      best.append(jnp.max(jnp.concatenate([best_G[k:k + 1], tokens_J / cost_G1[k + 2:]])))
-    best_G = jnp.stack(best)
+    best_G = jnp.maximum(best_G, _best_ahead(survival_BG, live_BG, tokens_G1, cost_G1,
+                                             jnp.minimum(estimate_BG, 1.0), limit_B))
   keep_G = best_G >= tokens_G1[:-1] / cost_G1[:-1]
   return jnp.minimum(_leading(keep_G[None])[0], jnp.max(jnp.where(active_B, admitted_B, 0)))
+
+
+def _best_ahead(survival_BG, live_BG, tokens_G1, cost_G1, est_BG, limit_B) -> jax.Array:
+  """[G] for each position k, the best rate over lengths m = j + 1 > k + 1: positions up to
+  k by tokens_G1[k + 1], positions k < j < limit_B[b] by row b's survival at k times its
+  estimates at k+1..j (live rows), -inf where no such length exists. All k at once, over a
+  [B, K, J] triangle (a loop over k made ~30 small kernels a drafted round)."""
+  gamma = survival_BG.shape[1]
+  j_G = jnp.arange(gamma)
+  ahead_KJ = j_G[None, :] > j_G[:, None]  # j > k
+  limit_B = jnp.full(survival_BG.shape[:1], gamma) if limit_B is None else limit_B
+  # est[b, k+1] * ... * est[b, j] for j > k (ones elsewhere multiply nothing in)
+  factors_BKJ = jnp.where(ahead_KJ[None], est_BG[:, None, :], 1.0)
+  proj_BKJ = survival_BG[:, :, None] * jnp.cumprod(factors_BKJ, axis=2)
+  counted_BKJ = ahead_KJ[None] & live_BG[:, :, None] & (j_G[None, None, :] < limit_B[:, None, None])
+  gain_KJ = jnp.cumsum(jnp.sum(jnp.where(counted_BKJ, proj_BKJ, 0.0), axis=0), axis=1)
+  rate_KJ = (tokens_G1[1:, None] + gain_KJ) / cost_G1[1:][None, :]
+  return jnp.max(jnp.where(ahead_KJ, rate_KJ, -jnp.inf), axis=1)
 
 
 def best_gain(cost_G1, draft_cost_G) -> float:
