@@ -380,6 +380,7 @@ def test_the_accelerator_check_parses_and_sets_only_real_plan_fields(tmp_path):
 def _process_result(speedups, per_prompt, identical=True, status="ok", error=None):
   """A results.json as one benchmark process writes it, with one speculative row."""
   row = {"label": "auto", "method": "speculative", "speedup": speedups, "run_s": 1.0 / speedups,
+         "drafts_never": not identical,
          "identical": identical, "speedup_per_prompt": per_prompt,
          "speedup_worst_prompt": min(per_prompt), "width_rounds": {"1": 3}, "gamma": "auto"}
   if error:
@@ -411,6 +412,7 @@ def test_merged_processes_report_medians_per_row_and_per_prompt():
   assert auto["speedup_worst_prompt"] == pytest.approx(0.96)  # median of the worst: 0.94
   assert auto["identical"] is False and rows["autoregressive"]["identical"] is True
   assert auto["gamma"] == "auto" and auto["width_rounds"] == {"1": 3}  # the first process's
+  assert auto["drafts_never"] == [False, False, True]  # tables that decided differently
   assert merged["processes"] == 3 and merged["config"]["processes"] == 3
   assert merged["compile_counts"] == {"speculative_jit": 6} and merged["wall_s"] == 9.0
   assert "medians over 3 processes" in merged["scenarios"]["1"]["notes"][-1]

@@ -8,10 +8,11 @@ CPU those vary between processes more than repeats vary within one: the same com
 in five processes, while three compiles of it within one process agreed to 1%. A figure
 from one process is one draw of that spread; the median over K is the program's own.
 
-Rows match by scenario, label, batch size and model. Numbers take the median over the processes, lists of
-numbers the median per element (per-prompt speed-ups), booleans must hold in every process
-(identical output), choices (a best gamma, a batch size) stay one value where every process
-agrees and become the list of them where not, anything else comes from the first process.
+Rows match by scenario, label, batch size and model. Numbers take the median over the
+processes, lists of numbers the median per element (per-prompt speed-ups), booleans must
+hold in every process (identical output), choices (a best gamma, a batch size, what a
+start-up table decided) stay one value where every process agrees and become the list of
+them where not, anything else comes from the first process.
 Each merged row also keeps its per-process speed-ups (speedup_processes), and the worst
 prompt is recomputed from the per-prompt medians. A scenario's list of per-prompt records
 (scenario 2's per_prompt: auto against the best fixed gamma) merges record by record alike.
@@ -36,8 +37,9 @@ def _median_or_none(values):
   return statistics.median(finite) if finite else None
 
 
-# integer fields that name a choice, not a count: a median of gammas 2, 4 and 6 is no gamma
-CHOICES = ("gamma", "best_fixed_gamma", "batch", "prompt")
+# fields that name a choice, not a count: a median of gammas 2, 4 and 6 is no gamma, and
+# tables that decided differently (drafts_never, check_every) should show it
+CHOICES = ("gamma", "best_fixed_gamma", "batch", "prompt", "drafts_never", "check_every")
 
 
 def merge_field(values: list, key: str = "") -> Any:
@@ -56,7 +58,7 @@ def merge_field(values: list, key: str = "") -> Any:
 
 
 def merge_rows(rows: list[dict]) -> dict:
-  """One row (the same label in each process) -> the merged row."""
+  """One row (the same row_key in each process) -> the merged row."""
   keys = list(dict.fromkeys(k for row in rows for k in row))
   merged = {k: merge_field([row.get(k) for row in rows], k) for k in keys}
   merged["speedup_processes"] = [row.get("speedup") for row in rows]
