@@ -23,8 +23,9 @@ Every comparison runs in one process: all programs are compiled first (AOT, time
 warmed up, then timed in interleaved repeats (medians), so a shared machine's drift hits
 every row alike. --processes K repeats the whole run in K fresh processes and reports
 medians over them: a process's compiles and start-up cost tables are one draw each, and on a
-shared CPU they move ratios by several percent (spec_jax.bench.merge). Writes results.json (after each scenario, so a crash keeps the ones done),
-then results.md and PNG plots into the --out folder. The harness is the library
+shared CPU they move ratios by several percent (spec_jax.bench.merge). Writes results.json
+(after each scenario, so a crash keeps the ones done), then results.md and PNG plots into
+the --out folder. The harness is the library
 spec_jax.bench; the scenarios are spec_jax.bench.scenarios.
 """
 
@@ -124,6 +125,14 @@ def json_path_of(out: str) -> Path:
   return path if path.suffix == ".json" else path / "results.json"
 
 
+def write_reports(results: dict, path: Path, keys: list[str]) -> None:
+  """results.json, results.md (each chosen scenario's section) and the plots."""
+  chosen = {key: SCENARIOS[key] for key in keys}
+  report.write_reports(results, path,
+                       sections={k: s.section for k, s in chosen.items() if s.section},
+                       plot_keys=[k for k, s in SCENARIOS.items() if s.plotted])
+
+
 def child_argv(argv: list[str]) -> list[str]:
   """argv without --processes and --out (each child gets its own --out)."""
   out, skip = [], False
@@ -155,10 +164,7 @@ def run_processes(args: argparse.Namespace, argv: list[str]) -> int:
     failed |= status == 1
     runs.append(json.loads((out / "results.json").read_text()))
   merged = merge.merge_results(runs)
-  chosen = {key: SCENARIOS[key] for key in args.scenarios}
-  report.write_reports(merged, path,
-                       sections={k: s.section for k, s in chosen.items() if s.section},
-                       plot_keys=[k for k, s in SCENARIOS.items() if s.plotted])
+  write_reports(merged, path, args.scenarios)
   log(f"merged {args.processes} processes into {path} and {path.parent / 'results.md'}")
   return 1 if failed or merged["errors"] else 0
 
@@ -183,9 +189,7 @@ def main(argv=None) -> int:
   chosen = {key: SCENARIOS[key] for key in args.scenarios}
   failed = run_scenarios(chosen, plan, results, path)
   add_totals(results, start)
-  report.write_reports(results, path,
-                       sections={k: s.section for k, s in chosen.items() if s.section},
-                       plot_keys=[k for k, s in SCENARIOS.items() if s.plotted])
+  write_reports(results, path, args.scenarios)
   log(f"wrote {path}, {path.parent / 'results.md'} and plots in {results['wall_s']:.0f} s")
   for e in results["errors"]:
     log(f"ERROR {e}")

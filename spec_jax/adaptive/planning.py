@@ -110,7 +110,8 @@ def _best_ahead(survival_BG, live_BG, tokens_G1, cost_G1, est_BG, limit_B) -> ja
   # est[b, k+1] * ... * est[b, j] for j > k (ones elsewhere multiply nothing in)
   factors_BKJ = jnp.where(ahead_KJ[None], est_BG[:, None, :], 1.0)
   proj_BKJ = survival_BG[:, :, None] * jnp.cumprod(factors_BKJ, axis=2)
-  counted_BKJ = ahead_KJ[None] & live_BG[:, :, None] & (j_G[None, None, :] < limit_B[:, None, None])
+  counted_BKJ = (ahead_KJ[None] & live_BG[:, :, None]
+                 & (j_G[None, None, :] < limit_B[:, None, None]))
   gain_KJ = jnp.cumsum(jnp.sum(jnp.where(counted_BKJ, proj_BKJ, 0.0), axis=0), axis=1)
   rate_KJ = (tokens_G1[1:, None] + gain_KJ) / cost_G1[1:][None, :]
   return jnp.max(jnp.where(ahead_KJ, rate_KJ, -jnp.inf), axis=1)

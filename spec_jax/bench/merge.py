@@ -57,10 +57,15 @@ def merge_field(values: list, key: str = "") -> Any:
   return first
 
 
+def merge_records(records: list[dict]) -> dict:
+  """The same record from each process -> one, field by field (merge_field)."""
+  keys = dict.fromkeys(k for record in records for k in record)
+  return {k: merge_field([record.get(k) for record in records], k) for k in keys}
+
+
 def merge_rows(rows: list[dict]) -> dict:
   """One row (the same row_key in each process) -> the merged row."""
-  keys = list(dict.fromkeys(k for row in rows for k in row))
-  merged = {k: merge_field([row.get(k) for row in rows], k) for k in keys}
+  merged = merge_records(rows)
   merged["speedup_processes"] = [row.get("speedup") for row in rows]
   per_prompt = merged.get("speedup_per_prompt")
   if isinstance(per_prompt, list) and per_prompt and all(_is_number(x) for x in per_prompt):
@@ -84,15 +89,14 @@ def merge_scenario(results: list[dict]) -> dict:
   if any(r.get("status") != "ok" for r in results):
     bad = next(r for r in results if r.get("status") != "ok")
     return {**bad, "processes": len(results)}
-  keys = list(dict.fromkeys(row_key(row) for r in results for row in r.get("rows", [])))
-  base["rows"] = [merge_rows([row for r in results for row in r.get("rows", [])
-                              if row_key(row) == key]) for key in keys]
+  by_key: dict[tuple, list[dict]] = {}
+  for r in results:
+    for row in r.get("rows", []):
+      by_key.setdefault(row_key(row), []).append(row)
+  base["rows"] = [merge_rows(rows) for rows in by_key.values()]
   per_prompt = [r.get("per_prompt") for r in results]
   if all(isinstance(p, list) and p for p in per_prompt) and len({len(p) for p in per_prompt}) == 1:
-    base["per_prompt"] = [
-        {k: merge_field([e.get(k) for e in entries], k)
-         for k in dict.fromkeys(k for e in entries for k in e)}
-        for entries in zip(*per_prompt)]
+    base["per_prompt"] = [merge_records(list(entries)) for entries in zip(*per_prompt)]
   base["wall_s"] = sum(r.get("wall_s", 0.0) for r in results)
   base["processes"] = len(results)
   base["notes"] = list(base.get("notes", [])) + [
