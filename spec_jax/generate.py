@@ -192,12 +192,23 @@ def token_history(sampling: SamplingConfig, num_generated_B, eos_E,
 
 def prefill(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
   """Runs the prompts through the model -> (last-position logits [B,V], hidden [B,P,D], cache)."""
+  logits_BPV, hidden_BPD, cache = prefill_all(model, params, tokens_BP, lengths_B, cache_len)
+  return at_positions(logits_BPV, (lengths_B - 1)[:, None])[:, 0], hidden_BPD, cache
+
+
+def prefill_all(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
+  """prefill with the logits at every prompt position -> (logits [B,P,V], hidden, cache)."""
   batch, width = tokens_BP.shape
   positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
   cache = model.init_cache(batch, cache_len)
   logits_BPV, hidden_BPD, cache = model.apply(params, tokens_BP, positions_BP, cache)
-  last_logits_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-  return last_logits_BV, hidden_BPD, cache.with_length(lengths_B)
+  return logits_BPV, hidden_BPD, cache.with_length(lengths_B)
+
+
+def at_positions(x_BP, positions_BA):
+  """x[b, positions[b, a]] for [B, P] or [B, P, ...] arrays -> [B, A] or [B, A, ...]."""
+  idx = positions_BA.reshape(positions_BA.shape + (1,) * (x_BP.ndim - 2))
+  return jnp.take_along_axis(x_BP, idx, axis=1)
 
 
 def write_tokens(seq_BS, start_B, new_BT, count_B):

@@ -28,7 +28,7 @@ from spec_jax.core.interface import CausalLM
 from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
                                check_generation_args, first_token, gather_generated,
                                finite_prefix, initial_buffer, key_and_eos, pad_id_value,
-                               prefill, remaining_tokens, token_history, tokens_to_emit,
+                               at_positions, prefill_all, remaining_tokens, token_history, tokens_to_emit,
                                write_tokens)
 from spec_jax.core.errors import BadArgument, is_int
 from spec_jax.core.kv_cache import KVCache
@@ -204,24 +204,28 @@ class SpeculativeProgram:
 
   def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key) -> SpecState:
     seq_BS = initial_buffer(tokens_BP, self.cache_len)
-    last_logits_BV, hidden_BPD, cache = prefill(self.target, params, tokens_BP, lengths_B,
+    logits_BPV, hidden_BPD, cache = prefill_all(self.target, params, tokens_BP, lengths_B,
                                                 self.cache_len)
+    last_logits_BV = at_positions(logits_BPV, (lengths_B - 1)[:, None])[:, 0]
     key, first_key = jax.random.split(key)
     counts = TokenCounts.of_prompts(tokens_BP, lengths_B, self.target.vocab_size, self.sampling)
     pending_B, seq_BS, num_generated_B, done_B, counts, failed_B = first_token(
         first_key, last_logits_BV, seq_BS, lengths_B, budget_B, eos_id, self.sampling, counts)
-    draft_state = self.init_drafter(
-        draft_params, PromptInfo(tokens_BP, lengths_B, self.cache_len, hidden_BPD),
-        remaining_tokens_B=remaining_tokens(done_B, num_generated_B, budget_B))
     metrics = SpecMetrics.zeros(tokens_BP.shape[0], self.gamma).replace(tokens_B=num_generated_B)
+    draft_state, metrics = self.init_drafter(
+        draft_params, PromptInfo(tokens_BP, lengths_B, self.cache_len, hidden_BPD), metrics,
+        remaining_tokens_B=remaining_tokens(done_B, num_generated_B, budget_B),
+        target_logits_BPV=logits_BPV)
     return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics,
                      failed_B, counts)
 
-  def init_drafter(self, draft_params, prompt: PromptInfo, remaining_tokens_B):
-    """The drafter's state after the prefill (adaptive programs skip it where no round will
-    draft)."""
-    del remaining_tokens_B
-    return self.drafter.init(draft_params, prompt)
+  def init_drafter(self, draft_params, prompt: PromptInfo, metrics: SpecMetrics, *,
+                   remaining_tokens_B, target_logits_BPV):
+    """-> (the drafter's state after the prefill, the initial metrics). Adaptive programs
+    skip the drafter's prefill where no round will draft, and may learn from the prompt
+    (target_logits_BPV: the target's logits at every prompt position)."""
+    del remaining_tokens_B, target_logits_BPV
+    return self.drafter.init(draft_params, prompt), metrics
 
   def run(self, params, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
           round_limit) -> SpecState:

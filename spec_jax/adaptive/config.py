@@ -104,11 +104,15 @@ class AdaptiveRules:
     HINDSIGHT_WIDTH positions of each catch-up), as a verified round of drafts would, and end
     when drafting pays: no probes. A stretch that found nothing counts as a probe that was
     not promising (the wait grows, and restarts from that look), so watching stops where
-    probing would. Measured side by side (stop 39, one table each; the last run with these
-    rules): the built-in pair's
-    6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x / 1.37x (gamma 4
-    1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x against 0.93x /
-    0.90x. False: probes, as for every other drafter and for sampled runs.
+    probing would. The first look comes before the first round, at the prompt, where the
+    drafter's prefill yields its guesses (Drafter.init_with_guesses: a draft model, a layer
+    skip, a quantized target, lookup + one of those): its greedy first draft after each of the prompt's last 8
+    positions against the target's greedy token there (AdaptiveProgram.prompt_look; off
+    with prompt_look=False).
+    Measured side by side (stop 39, one table each; the last run with these rules): the
+    built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
+    1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x
+    against 0.93x / 0.90x. False: probes, as for every other drafter and for sampled runs.
   give_up: after a probe that was not promising, or a stretch that watched in hindsight to
     its end without finding drafting worth it, the wait before the next one jumps to its
     longest (64 x probe_every: in a short generation the rest of it runs as generate's loop,
@@ -118,7 +122,10 @@ class AdaptiveRules:
     later draft were accepted (AdaptiveRound.least_first). A random draft model of
     stories260K agrees with the target on no first draft in 8 (upper end 0.40 at 0.99) where
     breaking even needs 0.63; it was watched every 12 steps, then 24, 48, each check a
-    catch-up and a new round. 0 disables it (the wait grows by probe_growth alone).
+    catch-up and a new round. With the look at the prompt it gives up before the first
+    round where that look rules drafting out (8 guesses, none right), and the run is
+    generate's loop from its first token. 0 disables it (the wait grows by probe_growth
+    alone).
   horizon: the plan values a draft length by the expected time to finish the batch
     (the slowest row: planned_drafts, finishing_rounds); False: by tokens per second summed
     over the rows, which overvalues drafting in large batches, whose rows finish rounds
@@ -138,6 +145,7 @@ class AdaptiveRules:
   lookahead: bool = True
   horizon: bool = True
   hindsight: bool = True
+  prompt_look: bool = True
   give_up: float = 0.99
 
 

@@ -11,6 +11,9 @@ import jax.numpy as jnp
 from spec_jax.adaptive.config import AdaptiveConfig, memoised_when_hashable
 from spec_jax.adaptive.rounds import AdaptiveRound, AdaptiveTreeRound
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
+from spec_jax.core.sampling import greedy
+from spec_jax.drafters.base import HINDSIGHT_WIDTH
+from spec_jax.generate import at_positions
 from spec_jax.metrics import AdaptiveStats
 
 
@@ -24,11 +27,6 @@ def _adaptive_program_class():
     adaptive state in metrics.adaptive."""
     adaptive: AdaptiveConfig | None = None
     __hash__ = SpeculativeProgram.__hash__  # (a dataclass would generate one hashing each call)
-
-    def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key):
-      state = super().init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
-      stats = self.initial_stats(tokens_BP.shape[0])
-      return state.replace(metrics=state.metrics.replace(adaptive=stats))
 
     def initial_stats(self, batch: int) -> AdaptiveStats:
       r = self.adaptive.rules
@@ -70,22 +68,68 @@ def _adaptive_program_class():
         return self.round_fn.plain_to_the_end
       return self.round_fn
 
-    def init_drafter(self, draft_params, prompt, remaining_tokens_B):
-      """A drafter that skips rounds is not read in a plain stretch to the end; where the
+    def init_drafter(self, draft_params, prompt, metrics, *, remaining_tokens_B,
+                     target_logits_BPV):
+      """The drafter's state and the initial statistics (in metrics.adaptive).
+
+      A drafter that skips rounds is not read in a plain stretch to the end; where the
       first round will be one (the plan drafts nothing and no probe can come: a useless
       draft, or a budget too short to repay one), its prefill is skipped too, and its state
       left zero: a 12-of-30-layer skip of SmolLM2 otherwise spent ~10% of a 32-token answer
-      prefilling a draft cache nothing read."""
+      prefilling a draft cache nothing read.
+
+      A program that watches in hindsight first looks at the prompt (look_at_prompt): its
+      drafter's prefill also says what it would have drafted first after each of the
+      prompt's last positions, and the target's logits there what the target chose."""
+      batch = prompt.tokens_BP.shape[0]
+      stats = self.initial_stats(batch)
       init = functools.partial(self.drafter.init, draft_params)
-      if self.drafts_never(prompt.tokens_BP.shape[0]):
-        return zeros_like_outputs(init, prompt)
-      if (self.drafter.is_tree or not self.drafter.skips_rounds
-          or self.adaptive.keeps_drafter_in_step):
-        return init(prompt)
-      stats = self.initial_stats(prompt.tokens_BP.shape[0])
-      never = self.round_fn.never_drafts(stats, remaining_tokens_B, self.probe_every)
-      return cond_in_place(never, lambda state: state, lambda _: init(prompt),
-                           zeros_like_outputs(init, prompt))
+      with_stats = lambda s: metrics.replace(adaptive=s)
+      if self.drafts_never(batch):
+        return zeros_like_outputs(init, prompt), with_stats(stats)
+      if self.drafter.is_tree or not self.drafter.skips_rounds:
+        return init(prompt), with_stats(stats)
+      never = jnp.bool_(False)
+      if not self.adaptive.keeps_drafter_in_step:
+        never = self.round_fn.never_drafts(stats, remaining_tokens_B, self.probe_every)
+      look = self.prompt_look(draft_params, prompt, target_logits_BPV)
+      if look is None:
+        state = cond_in_place(never, lambda state: state, lambda _: init(prompt),
+                              zeros_like_outputs(init, prompt))
+        return state, with_stats(stats)
+      start, valid_BA = look
+      state, agree_BA = cond_in_place(never, lambda out: out, lambda _: start(),
+                                      zeros_like_outputs(start))
+      stats = self.round_fn.look_at_prompt(
+          stats, agree_BA, valid_BA & ~never, remaining_tokens_B, self.drafter,
+          self.probe_every)
+      return state, with_stats(stats)
+
+    def prompt_look(self, draft_params, prompt, target_logits_BPV):
+      """(start, valid_BA), or None where this program does not look at the prompt: start()
+      -> (the drafter's state, agree_BA [B, A]: whether its greedy first draft after each of
+      the last A = min(HINDSIGHT_WIDTH, P) prompt positions is the target's greedy token
+      there; valid_BA: the positions a row's prompt has). Only for programs that watch in
+      hindsight (greedy, no logit processing: the target's raw greedy token is the one it
+      emits) and drafters whose prefill gives guesses (Drafter.init_with_guesses)."""
+      if (not self.adaptive.rules.prompt_look or self.sampling.processes_logits
+          or not self.round_fn.watches(self.drafter, self.sampling)):
+        return None
+      width = prompt.tokens_BP.shape[1]
+      seen = min(HINDSIGHT_WIDTH, width)
+      positions_BA = prompt.lengths_B[:, None] - seen + jnp.arange(seen, dtype=jnp.int32)
+      valid_BA = positions_BA >= 0
+      positions_BA = jnp.maximum(positions_BA, 0)
+      guesses = functools.partial(self.drafter.init_with_guesses, draft_params, prompt,
+                                  positions_BA)
+      if jax.eval_shape(guesses)[1] is None:
+        return None
+      target_guess_BA = greedy(at_positions(target_logits_BPV, positions_BA))
+
+      def start():
+        state, guess_BA = guesses()
+        return state, guess_BA == target_guess_BA
+      return start, valid_BA
 
   return AdaptiveProgram
 

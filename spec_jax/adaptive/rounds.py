@@ -168,6 +168,19 @@ class AdaptiveRound:
                             lambda: jnp.bool_(False))
     return stats.given_up(hopeless, probe_every)
 
+  def look_at_prompt(self, stats: AdaptiveStats, agree_BA, valid_BA, remaining_B,
+                     drafter: Drafter, probe_every: int) -> AdaptiveStats:
+    """The initial statistics after a look in hindsight at the prompt (AdaptiveProgram
+    .prompt_look): the estimates learn from it as from a watched stretch's catch-up, and a
+    run whose look finds drafting hopeless (give_up) waits its longest before the first
+    check: a useless draft then runs generate's loop from its first token, without the
+    check after probe_every steps, its catch-up and the rounds around it (a random draft
+    model of stories260K paid ~6% of a 128-token run for them). Prompt and target only:
+    lossless."""
+    stats = stats.learn_hindsight(agree_BA, valid_BA, self.config.rules.learning_rate,
+                                  later=drafter.hindsight_speaks_for_later_drafts)
+    return self.give_up_if_hopeless(stats, jnp.any(valid_BA), remaining_B, probe_every)
+
   def never_drafts(self, stats: AdaptiveStats, remaining_B,
                    probe_every: int | None = None) -> jax.Array:
     """[] bool: the first round, from these stats, is a plain stretch to the end (nothing

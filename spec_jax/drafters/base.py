@@ -189,6 +189,17 @@ class Drafter:
     (has_hindsight False)."""
     return self.catch_up_after(params, state, ctx, rounds, gamma), None
 
+  def init_with_guesses(self, params, prompt: PromptInfo,
+                        positions_BA: jax.Array) -> tuple[Any, jax.Array | None]:
+    """init, and guesses_BA [B, A] int32: the first draft this drafter would make greedily in
+    a round whose pending token sat at prompt position positions_BA[b, a] (teacher-forced on
+    the prompt up to it; positions < lengths_B). The adaptive rounds compare them with the
+    target's greedy tokens there, a look in hindsight before the first round (only what
+    exists before any draft: lossless). A drafter with hindsight (catch_up_with_hindsight)
+    whose prefill yields them cheaply overrides this; None: not known."""
+    del positions_BA
+    return self.init(params, prompt), None
+
   @property
   def hindsight_speaks_for_later_drafts(self) -> bool:
     """Whether catch_up_with_hindsight's agreements also measure a round's later drafts:

@@ -135,6 +135,18 @@ class FallbackDrafter(Drafter):
     return FallbackState(self.primary.init(params[0], prompt),
                          self.secondary.init(params[1], prompt))
 
+  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
+    # as in catch_up_with_hindsight: lookup's first draft where it matches, else the
+    # secondary's guess
+    secondary, model_guess_BA = self.secondary.init_with_guesses(params[1], prompt,
+                                                                 positions_BA)
+    state = FallbackState(self.primary.init(params[0], prompt), secondary)
+    if not self.has_hindsight or model_guess_BA is None:
+      return state, None
+    guess_BA, found_BA = first_guesses(prompt.tokens_BP, positions_BA, self.primary.max_ngram,
+                                       self.primary.min_ngram)
+    return state, jnp.where(found_BA, guess_BA, model_guess_BA)
+
   def propose(self, params, state: FallbackState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     key_1, key_2 = jax.random.split(key)

@@ -17,13 +17,13 @@ from flax import struct
 
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.common import autoregressive_drafts, feed_tokens_before_pending
-from spec_jax.generate import prefill
+from spec_jax.generate import at_positions, prefill, prefill_all
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.drafters.registry import (BuildOptions, DrafterFamily, DrafterSizes, Trained,
                                         TreeOptions, register)
 from spec_jax.losses import TargetOutputs, positions_of, token_loss
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.core.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig, greedy
 
 
 @struct.dataclass
@@ -49,6 +49,12 @@ class DraftModelDrafter(Drafter):
     _, _, cache = prefill(self.model, params, prompt.tokens_BP, prompt.lengths_B,
                           prompt.cache_len)
     return DraftModelState(cache)
+
+  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
+    # the prefill's logits at those positions: its greedy next token after each
+    logits_BPV, _, cache = prefill_all(self.model, params, prompt.tokens_BP, prompt.lengths_B,
+                                       prompt.cache_len)
+    return DraftModelState(cache), greedy(at_positions(logits_BPV, positions_BA))
 
   def propose(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
