@@ -25,10 +25,10 @@ from spec_jax.drafters.base import (DraftContext, Drafter, PromptInfo, RoundOutc
                                     target_with_features)
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
 from spec_jax.core.interface import CausalLM
-from spec_jax.generate import (EosIds, GenerationOutput, budgets_array,
+from spec_jax.generate import (EosIds, GenerationOutput, at_positions, budgets_array,
                                check_generation_args, first_token, gather_generated,
                                finite_prefix, initial_buffer, key_and_eos, pad_id_value,
-                               at_positions, prefill_all, remaining_tokens, token_history, tokens_to_emit,
+                               prefill_all, remaining_tokens, token_history, tokens_to_emit,
                                write_tokens)
 from spec_jax.core.errors import BadArgument, is_int
 from spec_jax.core.kv_cache import KVCache

@@ -106,9 +106,9 @@ class AdaptiveRules:
     not promising (the wait grows, and restarts from that look), so watching stops where
     probing would. The first look comes before the first round, at the prompt, where the
     drafter's prefill yields its guesses (Drafter.init_with_guesses: a draft model, a layer
-    skip, a quantized target, lookup + one of those): its greedy first draft after each of the prompt's last 8
-    positions against the target's greedy token there (AdaptiveProgram.prompt_look; off
-    with prompt_look=False).
+    skip, a quantized target, lookup + one of those): its greedy first draft after each of
+    the prompt's last 8 positions against the target's greedy token there
+    (AdaptiveProgram.prompt_look; off with prompt_look=False).
     Measured side by side (stop 39, one table each; the last run with these rules): the
     built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x
