@@ -726,7 +726,7 @@ def _prompt_look(program, params, draft_params, args):
 
 def test_the_look_at_the_prompt_is_the_two_models_greedy_agreement(stories, story_prompts):
   """Before its first round, a watching program compares the draft model's greedy next
-  token after each of the prompt's last 8 positions (past position 0) with the target's (both
+  token after each of the prompt's last min(8, length) positions with the target's (both
   teacher-forced on the prompt): the first draft's record and estimate learn that, as from
   a catch-up in hindsight."""
   model, params = stories
@@ -744,7 +744,7 @@ def test_the_look_at_the_prompt_is_the_two_models_greedy_agreement(stories, stor
     guess[name] = np.argmax(np.asarray(logits), -1)
   agreed = []
   for row, length in enumerate(lengths_B):
-    window = np.arange(max(1, length - HINDSIGHT_WIDTH), length)  # (no round starts at 0)
+    window = np.arange(max(0, length - HINDSIGHT_WIDTH), length)
     agree = guess["draft"][row, window] == guess["target"][row, window]
     assert int(stats.first_seen_B[row]) == len(window)
     assert int(stats.first_accepted_B[row]) == int(agree.sum())

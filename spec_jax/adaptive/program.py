@@ -109,7 +109,7 @@ def _adaptive_program_class():
       """(start, valid_BA), or None where this program does not look at the prompt: start()
       -> (the drafter's state, agree_BA [B, A]: whether its greedy first draft after each of
       the last A = min(HINDSIGHT_WIDTH, P) prompt positions is the target's greedy token
-      there; valid_BA: the positions a row's prompt has, past position 0). Only for programs that watch in
+      there; valid_BA: the positions a row's prompt has). Only for programs that watch in
       hindsight (greedy, no logit processing: the target's raw greedy token is the one it
       emits) and drafters whose prefill gives guesses (Drafter.init_with_guesses)."""
       if (not self.adaptive.rules.prompt_look or self.sampling.processes_logits
@@ -118,7 +118,7 @@ def _adaptive_program_class():
       width = prompt.tokens_BP.shape[1]
       seen = min(HINDSIGHT_WIDTH, width)
       positions_BA = prompt.lengths_B[:, None] - seen + jnp.arange(seen, dtype=jnp.int32)
-      valid_BA = positions_BA >= 1  # (a round's pending token never sits at position 0)
+      valid_BA = positions_BA >= 0
       positions_BA = jnp.maximum(positions_BA, 0)
       guesses = functools.partial(self.drafter.init_with_guesses, draft_params, prompt,
                                   positions_BA)
