@@ -193,7 +193,7 @@ def token_history(sampling: SamplingConfig, num_generated_B, eos_E,
 def prefill(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
   """Runs the prompts through the model -> (last-position logits [B,V], hidden [B,P,D], cache)."""
   logits_BPV, hidden_BPD, cache = prefill_all(model, params, tokens_BP, lengths_B, cache_len)
-  return at_positions(logits_BPV, (lengths_B - 1)[:, None])[:, 0], hidden_BPD, cache
+  return last_position(logits_BPV, lengths_B), hidden_BPD, cache
 
 
 def prefill_all(model: CausalLM, params, tokens_BP, lengths_B, cache_len: int):
@@ -209,6 +209,11 @@ def at_positions(x_BP, positions_BA):
   """x[b, positions[b, a]] for [B, P] or [B, P, ...] arrays -> [B, A] or [B, A, ...]."""
   idx = positions_BA.reshape(positions_BA.shape + (1,) * (x_BP.ndim - 2))
   return jnp.take_along_axis(x_BP, idx, axis=1)
+
+
+def last_position(x_BP, lengths_B):
+  """Each row's entry at its last prompt position, lengths[b] - 1 -> [B] or [B, ...]."""
+  return at_positions(x_BP, (lengths_B - 1)[:, None])[:, 0]
 
 
 def write_tokens(seq_BS, start_B, new_BT, count_B):

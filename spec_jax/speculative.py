@@ -25,11 +25,10 @@ from spec_jax.drafters.base import (DraftContext, Drafter, PromptInfo, RoundOutc
                                     target_with_features)
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
 from spec_jax.core.interface import CausalLM
-from spec_jax.generate import (EosIds, GenerationOutput, at_positions, budgets_array,
-                               check_generation_args, first_token, gather_generated,
-                               finite_prefix, initial_buffer, key_and_eos, pad_id_value,
-                               prefill_all, remaining_tokens, token_history, tokens_to_emit,
-                               write_tokens)
+from spec_jax.generate import (EosIds, GenerationOutput, budgets_array, check_generation_args,
+                               first_token, gather_generated, finite_prefix, initial_buffer,
+                               key_and_eos, last_position, pad_id_value, prefill_all,
+                               remaining_tokens, token_history, tokens_to_emit, write_tokens)
 from spec_jax.core.errors import BadArgument, is_int
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.core.pytree_names import check_params_fit, params_signature
@@ -206,7 +205,7 @@ class SpeculativeProgram:
     seq_BS = initial_buffer(tokens_BP, self.cache_len)
     logits_BPV, hidden_BPD, cache = prefill_all(self.target, params, tokens_BP, lengths_B,
                                                 self.cache_len)
-    last_logits_BV = at_positions(logits_BPV, (lengths_B - 1)[:, None])[:, 0]
+    last_logits_BV = last_position(logits_BPV, lengths_B)
     key, first_key = jax.random.split(key)
     counts = TokenCounts.of_prompts(tokens_BP, lengths_B, self.target.vocab_size, self.sampling)
     pending_B, seq_BS, num_generated_B, done_B, counts, failed_B = first_token(

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from spec_jax.core.sampling import (SamplingConfig, TokenHistory, greedy, process_logits,
                                     sample, warp_logits, warped_probs)
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo, RoundOutcome
+from spec_jax.generate import at_positions, last_position
 
 
 def draw(key: jax.Array, logits_BV: jax.Array, sampling: SamplingConfig,
@@ -116,8 +117,7 @@ def last_hidden(prompt: PromptInfo) -> jax.Array:
   """[B, D] target hidden state at each prompt's last position."""
   if prompt.target_hidden_BPD is None:
     raise _needs_hidden("PromptInfo.target_hidden_BPD")
-  idx_B11 = (prompt.lengths_B - 1)[:, None, None]
-  return jnp.take_along_axis(prompt.target_hidden_BPD, idx_B11, axis=1)[:, 0]
+  return last_position(prompt.target_hidden_BPD, prompt.lengths_B)
 
 
 def hidden_before_pending(outcome: RoundOutcome, old_BD: jax.Array) -> jax.Array:
@@ -197,7 +197,4 @@ def window_positions(position_B: jax.Array, width: int) -> jax.Array:
 
 def gather_positions(x_BS, positions_BW):
   """x[b, positions[b, w]] for [B, S] or [B, S, D] buffers, positions clipped into range."""
-  idx_BW = jnp.clip(positions_BW, 0, x_BS.shape[1] - 1)
-  if x_BS.ndim == 3:
-    return jnp.take_along_axis(x_BS, idx_BW[:, :, None], axis=1)
-  return jnp.take_along_axis(x_BS, idx_BW, axis=1)
+  return at_positions(x_BS, jnp.clip(positions_BW, 0, x_BS.shape[1] - 1))
