@@ -724,6 +724,26 @@ def _prompt_look(program, params, draft_params, args):
   return init(params, draft_params).metrics.adaptive
 
 
+@pytest.mark.parametrize("kind", ["prompt_lookup", "draft_model", "layer_skip", "quantized",
+                                  "lookup+draft_model", "lookup+layer_skip", "lookup+quantized"])
+def test_guesses_at_init_says_whether_the_prefill_gives_guesses(stories, story_prompts, kind):
+  """The static flag the program reads instead of tracing the prefill twice is true exactly
+  where init_with_guesses returns guesses, with one per asked position."""
+  from spec_jax.drafters.base import PromptInfo
+  model, params = stories
+  drafter, draft_params = make_drafter(kind, model, params, draft_model=model,
+                                       draft_params=params, num_layers=2, max_ngram=2)
+  tokens_BP, lengths_B = map(jnp.asarray, pad_prompts(story_prompts[:2]))
+  positions_BA = jnp.zeros((2, 3), jnp.int32)
+  prompt = PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8)
+  _, guess = jax.eval_shape(lambda: drafter.init_with_guesses(draft_params, prompt,
+                                                              positions_BA))
+  assert drafter.guesses_at_init == (kind != "prompt_lookup")
+  assert (guess is not None) == drafter.guesses_at_init
+  if guess is not None:
+    assert (guess.shape, guess.dtype) == ((2, 3), jnp.int32)
+
+
 def test_the_look_at_the_prompt_is_the_two_models_greedy_agreement(stories, story_prompts):
   """Before its first round, a watching program compares the draft model's greedy next
   token after each of the prompt's last min(8, length) positions with the target's (both

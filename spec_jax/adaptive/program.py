@@ -113,6 +113,7 @@ def _adaptive_program_class():
       hindsight (greedy, no logit processing: the target's raw greedy token is the one it
       emits) and drafters whose prefill gives guesses (Drafter.init_with_guesses)."""
       if (not self.adaptive.rules.prompt_look or self.sampling.processes_logits
+          or not self.drafter.guesses_at_init
           or not self.round_fn.watches(self.drafter, self.sampling)):
         return None
       width = prompt.tokens_BP.shape[1]
@@ -120,14 +121,10 @@ def _adaptive_program_class():
       positions_BA = prompt.lengths_B[:, None] - seen + jnp.arange(seen, dtype=jnp.int32)
       valid_BA = positions_BA >= 0
       positions_BA = jnp.maximum(positions_BA, 0)
-      guesses = functools.partial(self.drafter.init_with_guesses, draft_params, prompt,
-                                  positions_BA)
-      if jax.eval_shape(guesses)[1] is None:
-        return None
       target_guess_BA = greedy(at_positions(target_logits_BPV, positions_BA))
 
       def start():
-        state, guess_BA = guesses()
+        state, guess_BA = self.drafter.init_with_guesses(draft_params, prompt, positions_BA)
         return state, guess_BA == target_guess_BA
       return start, valid_BA
 

@@ -196,9 +196,16 @@ class Drafter:
     the prompt up to it; positions < lengths_B). The adaptive rounds compare them with the
     target's greedy tokens there, a look in hindsight before the first round (only what
     exists before any draft: lossless). A drafter with hindsight (catch_up_with_hindsight)
-    whose prefill yields them cheaply overrides this; None: not known."""
+    whose prefill yields them cheaply overrides this and sets guesses_at_init; None: not
+    known."""
     del positions_BA
     return self.init(params, prompt), None
+
+  @property
+  def guesses_at_init(self) -> bool:
+    """Whether init_with_guesses gives guesses (static: the adaptive program decides whether
+    to look at the prompt without tracing the drafter's prefill a second time)."""
+    return False
 
   @property
   def hindsight_speaks_for_later_drafts(self) -> bool:

@@ -141,11 +141,15 @@ class FallbackDrafter(Drafter):
     secondary, model_guess_BA = self.secondary.init_with_guesses(params[1], prompt,
                                                                  positions_BA)
     state = FallbackState(self.primary.init(params[0], prompt), secondary)
-    if not self.has_hindsight or model_guess_BA is None:
+    if not self.guesses_at_init:
       return state, None
     guess_BA, found_BA = first_guesses(prompt.tokens_BP, positions_BA, self.primary.max_ngram,
                                        self.primary.min_ngram)
     return state, jnp.where(found_BA, guess_BA, model_guess_BA)
+
+  @property
+  def guesses_at_init(self) -> bool:
+    return self.has_hindsight and self.secondary.guesses_at_init
 
   def propose(self, params, state: FallbackState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):

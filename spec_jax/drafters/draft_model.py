@@ -56,6 +56,10 @@ class DraftModelDrafter(Drafter):
                                        prompt.cache_len)
     return DraftModelState(cache), greedy(at_positions(logits_BPV, positions_BA))
 
+  @property
+  def guesses_at_init(self) -> bool:
+    return True
+
   def propose(self, params, state: DraftModelState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     pos_B = ctx.position_B
