@@ -564,6 +564,39 @@ def test_eagle_hindsight_is_its_greedy_first_draft(stories, story_reference, tra
   assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
 
 
+def test_eagle_guesses_at_init_are_its_greedy_first_drafts(stories, story_reference, trained):
+  """The look at the prompt for EAGLE: its prefill's guess at each prompt position q is the
+  first draft propose makes greedily with the pending token at q (from the element
+  (f_{q-1}, x_q), which the prefill ran with true features), and -1 at q = 0, where no
+  element precedes the pending token."""
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("eagle")
+  drafter, draft_params = spec.drafter, spec.draft_params(own, model, params)
+  assert drafter.guesses_at_init
+  tokens_BP, lengths_B = (jnp.asarray(x) for x in prompts)
+  hidden, _ = _fresh_features(stories, tokens_BP)
+  prompt = PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8, hidden)
+  positions_BA = np.broadcast_to(np.arange(int(np.min(lengths_B)), dtype=np.int32),
+                                 (len(lengths_B), int(np.min(lengths_B))))
+  _, guess_BA = jax.jit(drafter.init_with_guesses)(draft_params, prompt, positions_BA)
+  guess_BA = np.asarray(guess_BA)
+  assert (guess_BA[:, 0] == -1).all()
+  # propose from a state that knows the whole sequence's true features (every entry exact)
+  seq_BS = jnp.asarray(reference.sequences)
+  state = drafter.init(draft_params, PromptInfo(seq_BS, lengths_B, seq_BS.shape[1],
+                                                _fresh_features(stories, seq_BS)[0]))
+  rows = np.arange(len(lengths_B))
+  propose = jax.jit(lambda pos_B: drafter.propose(
+      draft_params, state, DraftContext(seq_BS, pos_B, seq_BS[rows, pos_B]), 1,
+      SamplingConfig(0.0), jax.random.key(0))[0][:, 0])
+  for a in range(1, positions_BA.shape[1]):
+    np.testing.assert_array_equal(guess_BA[:, a], propose(jnp.asarray(positions_BA[:, a])))
+  target_BA = np.asarray(seq_BS)[rows[:, None], positions_BA + 1]
+  agree = guess_BA[:, 1:] == target_BA[:, 1:]
+  assert 0 < agree.mean() < 1  # both outcomes occur: the comparison can fail
+
+
 def test_eagle_watches_in_hindsight_and_stays_exact(stories, story_reference, trained):
   """gamma="auto" with EAGLE, greedy: plain stretches learn the first draft's estimate in
   hindsight (no probes), drafting resumes where it pays, and the output is the target's."""
@@ -574,8 +607,10 @@ def test_eagle_watches_in_hindsight_and_stays_exact(stories, story_reference, tr
   spec, _, own = trained("eagle")
   # a prior below break-even (one draft: 1.2 tokens for 1.25 plain steps): only what the
   # stretches see can make drafting pay
+  # (and no look at the prompt, which would learn before the first round)
   auto = AdaptiveConfig(gamma_max=HEADS, target_costs=(1.0, 1.2, 1.4, 1.6), draft_cost=0.1,
-                        first_draft_cost=0.05, rules=AdaptiveRules(prior=0.2, probe_every=4))
+                        first_draft_cost=0.05,
+                        rules=AdaptiveRules(prior=0.2, probe_every=4, prompt_look=False))
   out = speculate(model, params, spec.drafter, spec.draft_params(own, model, params), *prompts,
                   gamma=auto, max_new_tokens=NEW, eos_id=1)
   assert np.array_equal(out.tokens, reference.tokens)

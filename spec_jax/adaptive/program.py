@@ -98,10 +98,10 @@ def _adaptive_program_class():
                               zeros_like_outputs(init, prompt))
         return state, with_stats(stats)
       start, valid_BA = look
-      state, agree_BA = cond_in_place(never, lambda out: out, lambda _: start(),
-                                      zeros_like_outputs(start))
+      state, agree_BA, guessed_BA = cond_in_place(never, lambda out: out, lambda _: start(),
+                                                  zeros_like_outputs(start))
       stats = self.round_fn.look_at_prompt(
-          stats, agree_BA, valid_BA & ~never, remaining_tokens_B, self.drafter,
+          stats, agree_BA, valid_BA & guessed_BA & ~never, remaining_tokens_B, self.drafter,
           self.probe_every)
       return state, with_stats(stats)
 
@@ -109,9 +109,10 @@ def _adaptive_program_class():
       """(start, valid_BA), or None where this program does not look at the prompt: start()
       -> (the drafter's state, agree_BA [B, A]: whether its greedy first draft after each of
       the last A = min(HINDSIGHT_WIDTH, P) prompt positions is the target's greedy token
-      there; valid_BA: the positions a row's prompt has). Only for programs that watch in
-      hindsight (greedy, no logit processing: the target's raw greedy token is the one it
-      emits) and drafters whose prefill gives guesses (Drafter.init_with_guesses)."""
+      there, guessed_BA: where it has a guess); valid_BA: the positions a row's prompt
+      has. Only for programs that watch in hindsight (greedy, no logit processing: the
+      target's raw greedy token is the one it emits) and drafters whose prefill gives
+      guesses (Drafter.init_with_guesses)."""
       if (not self.adaptive.rules.prompt_look or self.sampling.processes_logits
           or not self.drafter.guesses_at_init
           or not self.round_fn.watches(self.drafter, self.sampling)):
@@ -125,7 +126,7 @@ def _adaptive_program_class():
 
       def start():
         state, guess_BA = self.drafter.init_with_guesses(draft_params, prompt, positions_BA)
-        return state, guess_BA == target_guess_BA
+        return state, guess_BA == target_guess_BA, guess_BA >= 0
       return start, valid_BA
 
   return AdaptiveProgram

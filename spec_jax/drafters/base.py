@@ -193,11 +193,11 @@ class Drafter:
                         positions_BA: jax.Array) -> tuple[Any, jax.Array | None]:
     """init, and guesses_BA [B, A] int32: the first draft this drafter would make greedily in
     a round whose pending token sat at prompt position positions_BA[b, a] (teacher-forced on
-    the prompt up to it; positions < lengths_B). The adaptive rounds compare them with the
-    target's greedy tokens there, a look in hindsight before the first round (only what
-    exists before any draft: lossless). A drafter with hindsight (catch_up_with_hindsight)
-    whose prefill yields them cheaply overrides this and sets guesses_at_init; None: not
-    known."""
+    the prompt up to it; positions < lengths_B), or -1 where it has none (EAGLE at position
+    0, which no element precedes). The adaptive rounds compare them with the target's greedy
+    tokens there, a look in hindsight before the first round (only what exists before any
+    draft: lossless). A drafter with hindsight (catch_up_with_hindsight) whose prefill yields
+    them cheaply overrides this and sets guesses_at_init; None: not known."""
     del positions_BA
     return self.init(params, prompt), None
 

@@ -57,16 +57,32 @@ class EagleState:
   features_BSD: jax.Array  # target features by position, valid below the target's length
 
 
-def eagle_init(model, params, prompt: PromptInfo) -> EagleState:
+def eagle_prefill(model, params, prompt: PromptInfo):
+  """The prompt's elements through EAGLE -> (state, predicted features [B, P, D])."""
   features_BSD = prompt_features(prompt)
   tokens_BP = prompt.tokens_BP
   batch, width = tokens_BP.shape
   next_BP = jnp.concatenate([tokens_BP[:, 1:], jnp.zeros((batch, 1), tokens_BP.dtype)], 1)
   positions_BP = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
   cache = model.init_cache(batch, prompt.cache_len)
-  _, _, cache = model.apply(params, features_BSD[:, :width], next_BP, positions_BP, cache)
+  _, feats_BPD, cache = model.apply(params, features_BSD[:, :width], next_BP, positions_BP,
+                                    cache)
   # pairs (f_i, x_{i+1}) are exact for i < len-1; the pair at len-1 needs the first token
-  return EagleState(cache.with_length(prompt.lengths_B - 1), features_BSD)
+  return EagleState(cache.with_length(prompt.lengths_B - 1), features_BSD), feats_BPD
+
+
+def eagle_init(model, params, prompt: PromptInfo) -> EagleState:
+  return eagle_prefill(model, params, prompt)[0]
+
+
+def eagle_init_with_guesses(model, params, prompt: PromptInfo, positions_BA):
+  """eagle_init, and the greedy first draft of a round whose pending token sat at each prompt
+  position q = positions_BA[b, a] -> (state, guesses_BA; -1 at q = 0). Such a round drafts
+  from the element (f_{q-1}, x_q) at q - 1, which the prefill ran with true features: the
+  head on its predicted feature is that draft exactly (as in catch_up_with_hindsight)."""
+  state, feats_BPD = eagle_prefill(model, params, prompt)
+  guess_BA = greedy(params.shared.logits(gather_positions(feats_BPD, positions_BA - 1)))
+  return state, jnp.where(positions_BA >= 1, guess_BA.astype(jnp.int32), -1)
 
 
 def window_elements(state: EagleState, ctx: DraftContext, width: int):
@@ -128,6 +144,13 @@ class EagleDrafter(Drafter):
 
   def init(self, params, prompt: PromptInfo) -> EagleState:
     return eagle_init(self.model, params, prompt)
+
+  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
+    return eagle_init_with_guesses(self.model, params, prompt, positions_BA)
+
+  @property
+  def guesses_at_init(self) -> bool:
+    return True
 
   def propose(self, params, state: EagleState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
