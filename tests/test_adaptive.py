@@ -744,6 +744,22 @@ def test_guesses_at_init_says_whether_the_prefill_gives_guesses(stories, story_p
     assert (guess.shape, guess.dtype) == ((2, 3), jnp.int32)
 
 
+def test_a_drafter_that_claims_guesses_it_does_not_give_is_named(stories, story_prompts):
+  """guesses_at_init is static and init_with_guesses traced: a subclass that overrides one
+  and not the other is named when the program is traced, not met as a None deep in it."""
+  model, params = stories
+
+  @dataclasses.dataclass(frozen=True)
+  class NoGuesses(DraftModelDrafter):
+    def init_with_guesses(self, params, prompt, positions_BA):
+      return self.init(params, prompt), None
+
+  prompts = pad_prompts(story_prompts[:2])
+  with pytest.raises(TypeError, match="NoGuesses.guesses_at_init is True"):
+    speculate(model, params, NoGuesses(model), params, *prompts, gamma=config(),
+              max_new_tokens=8)
+
+
 def test_the_look_at_the_prompt_is_the_two_models_greedy_agreement(stories, story_prompts):
   """Before its first round, a watching program compares the draft model's greedy next
   token after each of the prompt's last min(8, length) positions with the target's (both

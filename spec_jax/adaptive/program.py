@@ -126,6 +126,9 @@ def _adaptive_program_class():
 
       def start():
         state, guess_BA = self.drafter.init_with_guesses(draft_params, prompt, positions_BA)
+        if guess_BA is None:
+          raise TypeError(f"{type(self.drafter).__name__}.guesses_at_init is True but its "
+                          "init_with_guesses returned no guesses")
         return state, guess_BA == target_guess_BA, guess_BA >= 0
       return start, valid_BA
 
