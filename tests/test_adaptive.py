@@ -744,6 +744,34 @@ def test_guesses_at_init_says_whether_the_prefill_gives_guesses(stories, story_p
     assert (guess.shape, guess.dtype) == ((2, 3), jnp.int32)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_round_of_empty_rows_alone_is_a_plain_step_not_a_miss(stories, story_prompts, rows):
+  """Prompt lookup's rows without a match draft placeholders (empty_rows). Where every row is
+  empty the round runs one plain step: no draft was verified, so the estimates learn
+  nothing (they are of acceptance given a draft) and drafting goes on. Empty rows beside a
+  row that verifies drafts waste its width, and count as first drafts missed."""
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  model, params = stories
+
+  @dataclasses.dataclass(frozen=True)
+  class FirstRowFindsNothing(PromptLookupDrafter):
+    def empty_rows(self, state):  # row 0 always empty; the others verify whatever they drew
+      return jnp.arange(state.found_B.shape[0]) == 0
+
+  prompts = pad_prompts(story_prompts[:rows])
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  out = speculate(model, params, FirstRowFindsNothing(), None, *prompts, gamma=config(),
+                  max_new_tokens=NEW)
+  assert np.array_equal(out.tokens, ref.tokens)
+  stats = out.metrics.adaptive
+  if rows == 1:  # every round drafted, ran a plain step, and saw no draft
+    assert int(stats.undrafted_rounds) == 0 and int(stats.first_seen_B[0]) == 0
+    assert summarize(out.metrics)["adaptive"]["width_rounds"][1] == NEW - 1
+  else:  # row 0's empty rounds beside row 1's verified ones: misses
+    assert int(stats.first_seen_B[0]) > 0 and int(stats.first_accepted_B[0]) == 0
+    assert int(stats.first_seen_B[1]) > 0
+
+
 def test_a_drafter_that_claims_guesses_it_does_not_give_is_named(stories, story_prompts):
   """guesses_at_init is static and init_with_guesses traced: a subclass that overrides one
   and not the other is named when the program is traced, not met as a None deep in it."""
