@@ -107,7 +107,8 @@ class AdaptiveRules:
     probing would. The first look comes before the first round, at the prompt, where the
     drafter's prefill yields its guesses (Drafter.init_with_guesses: a draft model, a layer
     skip, a quantized target, lookup + one of those, an EAGLE chain, whose prefill runs
-    every prompt element on true features): its greedy first draft after each of
+    every prompt element on true features, a Medusa chain, at the positions whose token is
+    the target's greedy one): its greedy first draft after each of
     the prompt's last 8 positions against the target's greedy token there
     (AdaptiveProgram.prompt_look; off with prompt_look=False).
     Measured side by side (stop 39, one table each; the last run with these rules): the

@@ -31,7 +31,8 @@ from flax import struct
 from spec_jax.drafters.base import (HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo,
                                     RoundOutcome, TreeDrafter)
 from spec_jax.core.sampling import SamplingConfig, greedy
-from spec_jax.drafters.common import draw, hidden_before_pending, last_hidden, tree_log_probs
+from spec_jax.drafters.common import (draw, gather_positions, hidden_before_pending, last_hidden,
+                                     tree_log_probs)
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, TreeOptions, register
 from spec_jax.losses import TargetOutputs, token_loss
 from spec_jax.models.drafter_heads import MedusaConfig, MedusaModel
@@ -85,6 +86,24 @@ class MedusaDrafter(Drafter):
     recent_BRD = jnp.take_along_axis(prompt.target_hidden_BPD[..., :last_BD.shape[1]],
                                      pos_BR[..., None], axis=1)
     return MedusaState(last_BD, recent_BRD.astype(last_BD.dtype))
+
+  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
+    # As in catch_up_with_hindsight, a round whose pending token sat at q drafts head 1 of
+    # the target's hidden state at q - 1. That head never sees x_q: it was trained on text
+    # where x_q is what the target's head makes of the same state, as in a greedy run, and
+    # a prompt's tokens often are not. So only positions whose x_q is the target's greedy
+    # token there have a guess (-1 elsewhere, and at q = 0, which nothing precedes).
+    state = self.init(params, prompt)
+    hidden_BAD = gather_positions(prompt.target_hidden_BPD[..., :state.hidden_BD.shape[1]],
+                                  positions_BA - 1)
+    guess_BA = greedy(self.model.first_head_logits(params, hidden_BAD)).astype(jnp.int32)
+    greedy_BA = greedy(params.shared.logits(hidden_BAD)) == gather_positions(
+        prompt.tokens_BP, positions_BA)
+    return state, jnp.where((positions_BA >= 1) & greedy_BA, guess_BA, -1)
+
+  @property
+  def guesses_at_init(self) -> bool:
+    return True
 
   def propose(self, params, state: MedusaState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
