@@ -564,26 +564,37 @@ def test_eagle_hindsight_is_its_greedy_first_draft(stories, story_reference, tra
   assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
 
 
+def _prompt_guesses(stories, story_reference, trained, kind):
+  """A trained drafter's init_with_guesses at every position 0 .. min length - 1 of the
+  story prompts -> (drafter, draft params, prompts (tokens, lengths), the target's hidden
+  states [B, P, D] and greedy tokens [B, P] there, positions [B, A], guesses [B, A])."""
+  model, params = stories
+  prompts, _ = story_reference
+  spec, _, own = trained(kind)
+  drafter, draft_params = spec.drafter, spec.draft_params(own, model, params)
+  assert drafter.guesses_at_init
+  tokens_BP, lengths_B = (jnp.asarray(x) for x in prompts)
+  positions_BP = np.broadcast_to(np.arange(tokens_BP.shape[1], dtype=np.int32), tokens_BP.shape)
+  logits, hidden, _ = model.apply(params, tokens_BP, positions_BP,
+                                  model.init_cache(*tokens_BP.shape))
+  prompt = PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8, hidden)
+  positions_BA = positions_BP[:, :int(np.min(lengths_B))]
+  _, guess_BA = jax.jit(drafter.init_with_guesses)(draft_params, prompt, positions_BA)
+  guess_BA = np.asarray(guess_BA)
+  assert (guess_BA[:, 0] == -1).all()  # no guess where nothing precedes the pending token
+  return (drafter, draft_params, (tokens_BP, lengths_B), hidden,
+          np.argmax(np.asarray(logits), -1), positions_BA, guess_BA)
+
+
 def test_eagle_guesses_at_init_are_its_greedy_first_drafts(stories, story_reference, trained):
   """The look at the prompt for EAGLE: its prefill's guess at each prompt position q is the
   first draft propose makes greedily with the pending token at q (from the element
   (f_{q-1}, x_q), which the prefill ran with true features), and -1 at q = 0, where no
   element precedes the pending token."""
-  model, params = stories
-  prompts, reference = story_reference
-  spec, _, own = trained("eagle")
-  drafter, draft_params = spec.drafter, spec.draft_params(own, model, params)
-  assert drafter.guesses_at_init
-  tokens_BP, lengths_B = (jnp.asarray(x) for x in prompts)
-  hidden, _ = _fresh_features(stories, tokens_BP)
-  prompt = PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8, hidden)
-  positions_BA = np.broadcast_to(np.arange(int(np.min(lengths_B)), dtype=np.int32),
-                                 (len(lengths_B), int(np.min(lengths_B))))
-  _, guess_BA = jax.jit(drafter.init_with_guesses)(draft_params, prompt, positions_BA)
-  guess_BA = np.asarray(guess_BA)
-  assert (guess_BA[:, 0] == -1).all()
+  drafter, draft_params, (_, lengths_B), _, _, positions_BA, guess_BA = _prompt_guesses(
+      stories, story_reference, trained, "eagle")
   # propose from a state that knows the whole sequence's true features (every entry exact)
-  seq_BS = jnp.asarray(reference.sequences)
+  seq_BS = jnp.asarray(story_reference[1].sequences)
   state = drafter.init(draft_params, PromptInfo(seq_BS, lengths_B, seq_BS.shape[1],
                                                 _fresh_features(stories, seq_BS)[0]))
   rows = np.arange(len(lengths_B))
@@ -603,27 +614,13 @@ def test_medusa_guesses_at_init_are_its_greedy_first_drafts(stories, story_refer
   token at q, where the prompt's x_q is the target's greedy token after q - 1 (as in a
   greedy run: head 1 never sees x_q); -1 elsewhere and at q = 0."""
   from spec_jax.drafters.medusa import MedusaState
-  model, params = stories
-  prompts, _ = story_reference
-  spec, _, own = trained("medusa")
-  drafter, draft_params = spec.drafter, spec.draft_params(own, model, params)
-  assert drafter.guesses_at_init
-  tokens_BP, lengths_B = (jnp.asarray(x) for x in prompts)
-  hidden, _ = _fresh_features(stories, tokens_BP)
-  prompt = PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8, hidden)
-  width = int(np.min(lengths_B))
-  positions_BA = np.broadcast_to(np.arange(width, dtype=np.int32), (len(lengths_B), width))
-  _, guess_BA = jax.jit(drafter.init_with_guesses)(draft_params, prompt, positions_BA)
-  guess_BA = np.asarray(guess_BA)
-  assert (guess_BA[:, 0] == -1).all()
+  (drafter, draft_params, (tokens_BP, lengths_B), hidden, target_greedy_BP, positions_BA,
+   guess_BA) = _prompt_guesses(stories, story_reference, trained, "medusa")
   rows = np.arange(len(lengths_B))
   propose = jax.jit(lambda h_BD, pos_B: drafter.propose(
       draft_params, MedusaState(h_BD), DraftContext(tokens_BP, pos_B, tokens_BP[rows, pos_B]),
       1, SamplingConfig(0.0), jax.random.key(0))[0][:, 0])
-  target_greedy_BP = np.argmax(np.asarray(model.apply(
-      params, tokens_BP, jnp.asarray(np.broadcast_to(np.arange(tokens_BP.shape[1]),
-                                                     tokens_BP.shape)),
-      model.init_cache(*tokens_BP.shape))[0]), -1)
+  width = positions_BA.shape[1]
   followed = 0
   for a in range(1, width):
     first_B = np.asarray(propose(hidden[:, a - 1], jnp.asarray(positions_BA[:, a])))

@@ -108,9 +108,9 @@ class AdaptiveRules:
     drafter's prefill yields its guesses (Drafter.init_with_guesses: a draft model, a layer
     skip, a quantized target, lookup + one of those, an EAGLE chain, whose prefill runs
     every prompt element on true features, a Medusa chain, at the positions whose token is
-    the target's greedy one): its greedy first draft after each of
-    the prompt's last 8 positions against the target's greedy token there
-    (AdaptiveProgram.prompt_look; off with prompt_look=False).
+    the target's greedy one): its greedy first draft after each of the prompt's last 8
+    positions against the target's greedy token there (AdaptiveProgram.prompt_look; off
+    with prompt_look=False).
     Measured side by side (stop 39, one table each; the last run with these rules): the
     built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x
