@@ -20,6 +20,15 @@ MAX_PROBE_WAIT = 64
 
 
 @struct.dataclass
+class SourceRecord:
+  """The acceptance record of a drafter's primary source, kept apart from the secondary's
+  (AdaptiveStats' own fields) for a drafter with sources (Drafter.has_sources)."""
+  estimate_BG: jax.Array  # [B, G] as AdaptiveStats.estimate_BG
+  first_seen_B: jax.Array  # [B] as AdaptiveStats.first_seen_B
+  first_accepted_B: jax.Array  # [B] as AdaptiveStats.first_accepted_B
+
+
+@struct.dataclass
 class AdaptiveStats:
   """Adaptive speculation's per-row state and counters (spec_jax.adaptive), carried in the
   metrics: the rounds read the estimates and schedule, the summary reports them."""
@@ -39,17 +48,41 @@ class AdaptiveStats:
   # trees: [B, N - 1] float32 P(drafted node i + 1 is on the accepted path), online; None
   # for chains. Their sum over the first k - 1 nodes is what a tree cut to k nodes yields
   node_estimate_BZ: jax.Array | None = None
+  # a drafter with sources: the primary's record; the fields above are the secondary's
+  # (with_source swaps them per row for a round that drafts from the primary)
+  primary: SourceRecord | None = None
 
   @classmethod
   def zeros(cls, batch_size: int, gamma: int, widths, initial_gamma: int, prior: float,
-            probe_every: int, tree_nodes: int | None = None) -> "AdaptiveStats":
+            probe_every: int, tree_nodes: int | None = None,
+            sources: bool = False) -> "AdaptiveStats":
     nodes = None if tree_nodes is None else jnp.full((batch_size, tree_nodes - 1), prior,
                                                      jnp.float32)
+    record = lambda: (jnp.full((batch_size, gamma), prior, jnp.float32),
+                      jnp.zeros(batch_size, jnp.int32), jnp.zeros(batch_size, jnp.int32))
+    estimate_BG, first_seen_B, first_accepted_B = record()
     return cls(tuple(widths), jnp.full((batch_size,), min(initial_gamma, gamma), jnp.int32),
-               jnp.full((batch_size, gamma), prior, jnp.float32), jnp.int32(0),
+               estimate_BG, jnp.int32(0),
                jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32),
-               jnp.zeros(batch_size, jnp.int32), jnp.zeros(batch_size, jnp.int32), nodes)
+               first_seen_B, first_accepted_B, nodes,
+               SourceRecord(*record()) if sources else None)
+
+  def with_source(self, primary_B) -> "AdaptiveStats":
+    """The record each row reads and writes swapped to its primary source's where primary_B
+    ([B] bool); the same call again swaps it back. Stats without sources: unchanged."""
+    if self.primary is None:
+      return self
+    p = self.primary
+    pick = lambda a, b: (jnp.where(primary_B.reshape(primary_B.shape + (1,) * (a.ndim - 1)),
+                                   b, a))
+    return self.replace(
+        estimate_BG=pick(self.estimate_BG, p.estimate_BG),
+        first_seen_B=pick(self.first_seen_B, p.first_seen_B),
+        first_accepted_B=pick(self.first_accepted_B, p.first_accepted_B),
+        primary=SourceRecord(pick(p.estimate_BG, self.estimate_BG),
+                             pick(p.first_seen_B, self.first_seen_B),
+                             pick(p.first_accepted_B, self.first_accepted_B)))
 
   def update_nodes(self, active_B, num_verified, path_BR1, num_accepted_B, *,
                    learning_rate: float, prior: float, forget: float) -> "AdaptiveStats":
@@ -234,6 +267,9 @@ def summarize(m: SpecMetrics) -> dict:
         "acceptance_estimate_per_row": np.round(a.estimate_BG.astype(float), 3).tolist(),
         "gamma_per_row": a.gamma_B.tolist(),
     }
+    if a.primary is not None:  # a drafter with sources: the fields above are the secondary's
+      out["adaptive"]["primary_acceptance_estimate"] = np.round(
+          a.primary.estimate_BG.mean(0).astype(float), 3).tolist()
     if a.node_estimate_BZ is not None:  # a tree's: P(node i + 1 on the accepted path)
       out["adaptive"]["node_estimate"] = np.round(a.node_estimate_BZ.mean(0).astype(float),
                                                   3).tolist()

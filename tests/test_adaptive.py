@@ -388,6 +388,29 @@ def test_sampled_distribution_with_adaptive_lengths(small_pair, sampling):
   assert pvalue_vs_exact(out.tokens, joint) > SIGNIFICANCE
 
 
+def test_sampled_distribution_with_a_record_per_source(small_pair):
+  """Lookup + a noisy draft model under gamma="auto", sampled: rows choose their source
+  per round by the context and each source's record (DraftContext.primary_B), each round is
+  priced by the sources its rows take, and plain stretches end where every row would copy.
+  All of it is decided before a draft is drawn, so the tokens follow the target."""
+  from spec_jax.drafters.combined import FallbackDrafter, ResyncDraftModelDrafter
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  target, tp = small_pair[:2]
+  sampling = SamplingConfig(1.0)
+  joint = exact_joint(target, tp, PROMPT, DEPTH, sampling)
+  drafter = FallbackDrafter(PromptLookupDrafter(3, 1), ResyncDraftModelDrafter(target))
+  assert drafter.has_sources
+  out = speculate(target, tp, drafter, (None, perturbed(tp, 0.7, seed=3)),
+                  *pad_prompts([PROMPT] * SAMPLES), gamma=ADAPTIVE_SMALL,
+                  max_new_tokens=SAMPLE_NEW, sampling=sampling, key=jax.random.key(2))
+  stats = out.metrics.adaptive
+  prior = ADAPTIVE_SMALL.rules.prior
+  # both records learned from verified drafts of their own, on many rows: both sources drafted
+  for record in (stats.estimate_BG, stats.primary.estimate_BG):
+    assert np.mean(np.abs(np.asarray(record[:, 0]) - prior) > 1e-3) > 0.1
+  assert pvalue_vs_exact(out.tokens, joint) > SIGNIFICANCE
+
+
 def peeking_verifier(draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key):
   """LEAKY: reads the verdict, and where the first draft was rejected, pretends the row
   admitted nothing (the next token then comes from p, not from the residual)."""
@@ -675,18 +698,18 @@ def test_hindsight_is_the_draft_models_greedy_guess(stories, story_prompts):
   assert 0 < np.mean(agree_BA) < 1  # both outcomes occur: the comparison can fail
 
 
-def test_a_combinations_hindsight_is_lookup_where_it_matches_else_the_model(
-    stories, story_prompts, reference_tokens):
-  """Lookup + a draft model: a round started at pending position p drafts lookup's copy
-  where lookup matches there, else the model's guess; the catch-up's agreements say
-  whether that first draft is the token that followed, per position."""
+def test_a_combinations_hindsight_is_each_sources_own(stories, story_prompts, reference_tokens):
+  """Lookup + a draft model keep one acceptance record per source: the catch-up's agreements
+  are the model's guesses at every position (lookup matching there or not), and
+  primary_hindsight says, per position, whether lookup matched and whether its first draft
+  was the token that followed."""
   from spec_jax.drafters.base import DraftContext, PromptInfo
   from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
   model, params = stories
   draft_params = perturbed(params, 0.15, seed=1)
   drafter, both = make_drafter("lookup+draft_model", model, params, draft_model=model,
                                draft_params=draft_params)
-  assert drafter.has_hindsight
+  assert drafter.has_hindsight and drafter.has_sources
   # a passage the model repeats, twice, for rows where lookup matches
   repeated = [1] + reference_tokens[131:160] * 2
   prompts = pad_prompts(story_prompts[:3] + [repeated])
@@ -701,20 +724,25 @@ def test_a_combinations_hindsight_is_lookup_where_it_matches_else_the_model(
   ctx = lambda pos_B: DraftContext(jnp.asarray(seq_BS), jnp.asarray(pos_B),
                                    jnp.asarray(seq_BS[rows, pos_B]))
   _, agree_BA = drafter.catch_up_with_hindsight(both, state, ctx(at_B), 16, gamma=4)
-  assert agree_BA.shape == (len(at_B), HINDSIGHT_WIDTH)
+  lookup_agree_BA, lookup_found_BA = map(np.asarray,
+                                         drafter.primary_hindsight(ctx(at_B), HINDSIGHT_WIDTH))
+  assert agree_BA.shape == lookup_found_BA.shape == (len(at_B), HINDSIGHT_WIDTH)
   lookup = drafter.primary
   assert isinstance(lookup, PromptLookupDrafter) and lookup.min_ngram == 2
-  found_any = []
   for a in range(HINDSIGHT_WIDTH):
     p_B = at_B - HINDSIGHT_WIDTH + a
+    followed_B = seq_BS[rows, p_B + 1]
+    np.testing.assert_array_equal(agree_BA[:, a], model_guess_BS[rows, p_B] == followed_B)
     tokens_BG, _, found = lookup.propose(None, None, ctx(p_B), 1, SamplingConfig(0.0),
                                          jax.random.key(0))
-    found_B = np.asarray(found.found_B)
-    first_B = np.where(found_B, np.asarray(tokens_BG)[:, 0], model_guess_BS[rows, p_B])
-    np.testing.assert_array_equal(agree_BA[:, a], first_B == seq_BS[rows, p_B + 1])
-    found_any.append(found_B)
-  found_any = np.asarray(found_any)
-  assert found_any.any() and not found_any.all()  # both kinds of rows: the test can fail
+    np.testing.assert_array_equal(lookup_found_BA[:, a], np.asarray(found.found_B))
+    np.testing.assert_array_equal(lookup_agree_BA[:, a], np.asarray(tokens_BG)[:, 0] == followed_B)
+    # the rows a round started here would take from lookup: known from the context alone
+    np.testing.assert_array_equal(drafter.primary_rows(both, state, ctx(p_B)),
+                                  np.asarray(found.found_B))
+  assert lookup_found_BA.any() and not lookup_found_BA.all()  # both kinds: the test can fail
+  # where the two sources disagree on the same position, the records see different things
+  assert (lookup_found_BA & (lookup_agree_BA != np.asarray(agree_BA))).any()
 
 
 def _prompt_look(program, params, draft_params, args):
@@ -819,10 +847,11 @@ def test_the_look_at_the_prompt_is_the_two_models_greedy_agreement(stories, stor
   assert 0 < np.mean(agreed) < 1  # both outcomes occur: the comparison can fail
 
 
-def test_a_combinations_look_at_the_prompt_is_lookup_where_it_matches(
-    stories, story_prompts, reference_tokens):
-  """Lookup + a draft model: the prompt's guesses are lookup's first draft where lookup
-  matches the prompt's own text before that position, else the model's."""
+def test_a_combinations_look_at_the_prompt_is_the_models(stories, story_prompts,
+                                                        reference_tokens):
+  """Lookup + a draft model: the prompt's guesses are the model's at every position,
+  lookup matching there or not (they teach the model's record; lookup's learns from its
+  own rounds and stretches)."""
   from spec_jax.drafters.base import PromptInfo
   from spec_jax.drafters.prompt_lookup import first_guesses
   model, params = stories
@@ -838,14 +867,11 @@ def test_a_combinations_look_at_the_prompt_is_lookup_where_it_matches(
   _, model_guess_BA = drafter.secondary.init_with_guesses(draft_params, prompt,
                                                           jnp.asarray(positions_BA))
   lookup = drafter.primary
-  copy_BA, found_BA = first_guesses(jnp.asarray(tokens_BP), jnp.asarray(positions_BA),
-                                    lookup.max_ngram, lookup.min_ngram)
-  found_BA = np.asarray(found_BA)
-  assert found_BA[2].all() and not found_BA.all()  # both kinds of positions
-  np.testing.assert_array_equal(guess_BA, np.where(found_BA, copy_BA, model_guess_BA))
-  # the copy is the text that followed the match: the repeat's next token
-  np.testing.assert_array_equal(np.asarray(copy_BA)[2],
-                                tokens_BP[2, positions_BA[2] - len(reference_tokens[131:145]) + 1])
+  copy_BA, found_BA = map(np.asarray, first_guesses(jnp.asarray(tokens_BP),
+                                                    jnp.asarray(positions_BA),
+                                                    lookup.max_ngram, lookup.min_ngram))
+  assert found_BA[2].all() and (copy_BA != np.asarray(model_guess_BA))[2].any()
+  np.testing.assert_array_equal(guess_BA, model_guess_BA)
 
 
 def test_a_draft_the_prompt_finds_hopeless_never_checks(stories, reference_tokens):
@@ -1660,3 +1686,48 @@ def test_rounds_verify_no_draft_past_a_rows_budget(stories):
   m = summarize(out.metrics)["adaptive"]
   assert sum(m["admitted_hist"][5:]) == 0 and m["width_rounds"][9] == 0, m
   assert m["width_rounds"][5] >= 1, m
+
+
+def test_a_record_per_source_swaps_per_row_and_back():
+  """AdaptiveStats.with_source: rows under the mask read and write the primary's record, the
+  others the secondary's; the same call again restores both; no sources, no change."""
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(3, 4, (1, 2, 3, 5), 2, 0.5, 8, sources=True)
+  stats = stats.replace(estimate_BG=stats.estimate_BG.at[:, 0].set(jnp.array([0.1, 0.2, 0.3])),
+                        first_seen_B=jnp.array([1, 2, 3], jnp.int32))
+  mask_B = jnp.array([True, False, True])
+  view = stats.with_source(mask_B)
+  np.testing.assert_allclose(view.estimate_BG[:, 0], [0.5, 0.2, 0.5])
+  np.testing.assert_array_equal(view.first_seen_B, [0, 2, 0])
+  np.testing.assert_allclose(view.primary.estimate_BG[:, 0], [0.1, 0.5, 0.3])
+  back = view.with_source(mask_B)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(stats)):
+    np.testing.assert_array_equal(a, b)
+  plain = AdaptiveStats.zeros(3, 4, (1, 2, 3, 5), 2, 0.5, 8)
+  assert plain.primary is None and plain.with_source(mask_B) is plain
+
+
+def test_a_combination_drafts_from_lookup_where_its_model_is_useless(stories, reference_tokens):
+  """Lookup + a random draft model, greedy, a table where the model's drafting is dear and
+  lookup's cheap: rows whose text repeats draft from lookup (its own record and cost) while
+  the model's record gives up, and the output is generate's. Priced and planned as one
+  source, the combination charged every round the model's drafting and learned one record
+  from both."""
+  model, params = stories
+  random_draft = perturbed(params, 3.0, seed=7)
+  drafter, both = make_drafter("lookup+draft_model", model, params, draft_model=model,
+                               draft_params=random_draft)
+  text = reference_tokens[1:25]
+  prompts = pad_prompts([[1] + text + text[:n] for n in (6, 4, 3)])
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=(1.0, 1.3, 1.5, 1.8, 2.4),
+                       draft_cost=8.0, first_draft_cost=0.1)
+  assert cfg.resolved().cost_table.primary_drafting_G.tolist() == [pytest.approx(0.1)] * 8
+  out = speculate(model, params, drafter, both, *prompts, gamma=cfg, max_new_tokens=NEW)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  assert np.array_equal(out.tokens, ref.tokens)
+  m = summarize(out.metrics)
+  a = m["adaptive"]
+  drafted = sum(n for w, n in a["width_rounds"].items() if w > 1)
+  assert drafted >= 3
+  assert m["acceptance_rate"] >= 0.8  # lookup's copies, not the random model's drafts
+  assert a["acceptance_estimate"][0] < 0.3 < a["primary_acceptance_estimate"][0]

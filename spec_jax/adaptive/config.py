@@ -100,7 +100,8 @@ class AdaptiveRules:
     estimates (schedule_length); False: it compares neighbours only, DSpark's scan.
   hindsight: in greedy runs of a drafter that reports its greedy guesses at each catch-up
     (Drafter.has_hindsight: a draft model, a layer skip, a quantized target, an EAGLE or
-    Medusa chain, lookup + one of those), plain stretches learn the estimates from them (the last
+    Medusa chain, lookup + one of those: each source its own record), plain stretches learn
+    the estimates from them (the last
     HINDSIGHT_WIDTH positions of each catch-up), as a verified round of drafts would, and end
     when drafting pays: no probes. A stretch that found nothing counts as a probe that was
     not promising (the wait grows, and restarts from that look), so watching stops where
@@ -245,6 +246,14 @@ class CostTable(NamedTuple):
   @property
   def plain(self) -> float:
     return float(self.verify_G1[0])
+
+  @property
+  def primary_drafting_G(self) -> np.ndarray:
+    """[G] for a drafter with sources (Drafter.has_sources), a round whose rows all take the
+    primary: lookup's search and the secondary's catch-up, whatever m. Priced as the
+    secondary's first-draft propose (the table's m = 1 point, timed on the secondary: its
+    window pass, which is the catch-up, and one draft read from it)."""
+    return np.full_like(self.drafting_G, self.drafting_G[0])
 
   @property
   def rounds_G(self) -> np.ndarray:

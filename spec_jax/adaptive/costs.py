@@ -162,8 +162,8 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
         tree, draft_state = drafter.propose_tree(draft_params, draft_state, ctx, sampling,
                                                  key)
         return draft_state, tree.tokens_BN[:, -1]
-      drafts_BG, _, draft_state = drafter.propose(draft_params, draft_state, ctx, g, sampling,
-                                                  key)
+      drafts_BG, _, draft_state = drafter.propose_for_timing(draft_params, draft_state, ctx, g,
+                                                             sampling, key)
       return draft_state, drafts_BG[:, -1]
 
     return jax.lax.fori_loop(0, passes, one, (s.draft_state, s.pending_B))[1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,13 @@ from spec_jax.metrics import AdaptiveStats
 CATCH_UP_WIDTHS = (2, 8, 32)
 
 
+class Sources(NamedTuple):
+  """A plain stretch's view of a drafter with sources (AdaptiveRound.sourced_plan)."""
+  primary_pays: jax.Array  # [] bool: a round of the primary's drafts pays, at the stretch's start
+  rows: Callable  # state -> [B] bool: the rows that would now draft from the primary
+  costs: Callable  # (primary_B, done_B) -> [G] the drafting costs of a round from there
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptiveRound:
   """A round_fn (speculative_round's signature) with adaptive lengths and widths."""
@@ -58,29 +66,127 @@ class AdaptiveRound:
     useful_B = jnp.maximum(remaining_B - 1, 0)
     watch = self.watches(drafter, sampling)
     probe_every = self.probe_every(drafter, sampling)
-    plan = self.plan(stats, remaining_B, watch=watch, probe_every=probe_every)
+    drafting_G = jnp.asarray(table.drafting_G)
+    primary_B = until = None
+    view = stats
+    if drafter.has_sources:  # see sourced_plan
+      primary_B, view, drafting_G, until = self.sourced_plan(drafter, sampling, eos_id,
+                                                             draft_params, s, remaining_B,
+                                                             probe_every)
+    plan = self.plan(view, remaining_B, watch=watch, probe_every=probe_every,
+                     drafting_G=drafting_G)
+    lookup_only = None
+    if primary_B is not None:
+      # where the model's drafting does not pay this round, rows the primary serves may still:
+      # the others then draft nothing, and the model only catches up (the primary's cost)
+      primary_G = jnp.asarray(table.primary_drafting_G)
+      alone = self.plan(view.replace(estimate_BG=jnp.where(primary_B[:, None], view.estimate_BG,
+                                                           0.0)),
+                        remaining_B, watch=watch, probe_every=probe_every, drafting_G=primary_G)
+      lookup_only = ~plan.drafts & alone.drafts & jnp.any(primary_B & ~s.done_B)
+      plan = plan._replace(drafts=plan.drafts | lookup_only,
+                           size=jnp.where(lookup_only, alone.size, plan.size))
+      drafting_G = jnp.where(lookup_only, primary_G, drafting_G)
     if force_drafts is not None:
       forced = force_drafts >= 0  # (always: traced, so the plan stays alive)
       plan = plan._replace(drafts=forced | plan.drafts,
                            size=jnp.where(forced, force_drafts, plan.size))
+    # a drafted round reads and writes each row's record of the source it drafts from
+    source_B = None if primary_B is None else primary_B & plan.drafts
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                                 jnp.asarray(table.verify_G1), plan.probe, plan.size, s,
-                                useful_B=useful_B)
+                                useful_B=useful_B, primary_B=primary_B,
+                                secondary_off=lookup_only)
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
                                     plan.can_probe, plan.last_probe, watch=watch,
-                                    probe_every=probe_every)
+                                    probe_every=probe_every, until=until)
     if force_drafts is not None:  # never taken: a stand-in spares the timing its compile
       plain_steps = self.no_plain_steps
-    drafting = jnp.asarray(table.drafting_G)[jnp.maximum(plan.size, 1) - 1]
+    drafting = drafting_G[jnp.maximum(plan.size, 1) - 1]
     costs_W = jnp.asarray(table.target_W)
-    return self.drafted_or_plain(
+    new = self.drafted_or_plain(
         s, plan.drafts, plan.probe, drafted_round, plain_steps, schedule=rules.schedule,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
-        budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every)
+        budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every,
+        source_B=source_B)
+    if primary_B is not None and watch:
+      new = self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, new,
+                                           plan.drafts & ~source_B)
+    return new
+
+  def primary_learns_from_round(self, drafter: Drafter, sampling, eos_id, gamma: int, s, new,
+                                other_B):
+    """After a drafted round in a greedy run of a drafter with sources: the primary's record
+    learns in hindsight (primary_hindsight) whether it would have drafted, and drafted
+    right, at each position the round emitted, on the rows that drafted from the other
+    source (other_B [B] bool). Otherwise a record that fell behind the model's would never
+    draft, and so never learn again, while the model drafted a loop that lookup copies at a
+    fraction of the cost (the built-in pair's prompt 4: 1.17x against lookup alone's 2.17x)."""
+    from spec_jax.speculative import round_inputs  # (imports this module lazily)
+    width = gamma + 1  # the most tokens a drafted round emits
+    emitted_B = new.num_generated_B - s.num_generated_B
+    agree_BA, found_BA = drafter.primary_hindsight(round_inputs(new, sampling, eos_id)[0], width)
+    valid_BA = ((jnp.arange(width)[None, :] >= width - emitted_B[:, None]) & other_B[:, None]
+                & found_BA)
+    everywhere = jnp.ones_like(other_B)
+    stats = new.metrics.adaptive.with_source(everywhere).learn_hindsight(
+        agree_BA, valid_BA, self.config.rules.learning_rate).with_source(everywhere)
+    return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+  def sourced_plan(self, drafter: Drafter, sampling, eos_id, draft_params, s, remaining_B,
+                   probe_every: int):
+    """For a drafter with two sources (Drafter.has_sources: lookup where it matches, else a
+    model), what the round plans from -> (primary_B, the stats each row reads, the drafting
+    costs, until).
+
+    Which source a row drafts from this round is known from the context alone
+    (primary_rows), so planning by it is lossless. Each row reads its source's record (the
+    primary's is kept apart: AdaptiveStats.primary); a round whose active rows all take the
+    primary is charged the primary's drafting (lookup's search and the model's catch-up, not
+    its drafting steps). One record and the model's cost for every round kept prompt lookup +
+    the built-in draft model below lookup alone (1.12x against 1.33x on its 6 code prompts).
+    until: (whether the primary's rounds pay, from its record; a function of a state saying
+    whether every active row would now take the primary): a plain stretch ends there, so a
+    match that appears during it is drafted from at once, not at the next probe."""
+    from spec_jax.speculative import round_inputs  # (imports this module lazily)
+    table = self.config.cost_table
+
+    verify_G = jnp.asarray(table.verify_G1[1:])
+
+    def best_rate(est_BG, drafting_G):  # [B] a row's best tokens per second alone
+      tokens_BG = 1.0 + jnp.cumsum(jnp.cumprod(jnp.minimum(est_BG, 1.0), axis=1), axis=1)
+      return jnp.max(tokens_BG / (verify_G + drafting_G)[None, :], axis=1)
+
+    def rows(s):  # where lookup matches and its record, at its cost, beats the model's
+      ctx = round_inputs(s, sampling, eos_id)[0]
+      stats: AdaptiveStats = s.metrics.adaptive
+      better_B = (best_rate(stats.primary.estimate_BG, jnp.asarray(table.primary_drafting_G))
+                  >= best_rate(stats.estimate_BG, jnp.asarray(table.drafting_G)))
+      return drafter.primary_rows(draft_params, s.draft_state, ctx) & better_B
+
+    def costs(primary_B, done_B):
+      return jnp.where(jnp.all(primary_B | done_B), jnp.asarray(table.primary_drafting_G),
+                       jnp.asarray(table.drafting_G))
+
+    stats: AdaptiveStats = s.metrics.adaptive
+    primary_B = rows(s)
+    everywhere = stats.with_source(jnp.ones_like(primary_B))
+    primary_pays = self.plan(everywhere, remaining_B, watch=True, probe_every=probe_every,
+                             drafting_G=jnp.asarray(table.primary_drafting_G)).drafts
+    return (primary_B, stats.with_source(primary_B), costs(primary_B, s.done_B),
+            Sources(primary_pays, rows, costs))
+
+  def primary_can_pay(self, drafter: Drafter) -> bool:
+    """Static: the drafter has sources and a round of its primary's drafts, all accepted,
+    could beat a plain step (the table alone): the program must then keep its rounds, which
+    a plain stretch ends when the primary matches (sourced_plan)."""
+    table = self.config.cost_table
+    return (drafter.has_sources and not drafter.is_tree
+            and drafting_can_pay(table.verify_G1, table.primary_drafting_G))
 
   @staticmethod
   def no_plain_steps(s):
@@ -114,10 +220,11 @@ class AdaptiveRound:
                               self.catch_up_cost(drafter))
 
   def plan(self, stats: AdaptiveStats, remaining_B, *, watch: bool = False,
-           probe_every: int | None = None) -> RoundPlan:
+           probe_every: int | None = None, drafting_G=None) -> RoundPlan:
     """What a chain round decides before drafting: its size is the drafts planned (0: a
     plain stretch). watch: no probes (the stretches learn in hindsight). probe_every: the
-    round's (probe_every(); None: the rules')."""
+    round's (probe_every(); None: the rules'). drafting_G: what drafting m costs this round
+    (None: the table's; sourced_plan's for a drafter with sources)."""
     rules = self.config.rules
     table = self.config.cost_table
     # no probes where even drafts that were all accepted could not beat a plain step: the
@@ -127,7 +234,8 @@ class AdaptiveRound:
     probe = (jnp.bool_(False) if watch else
              probe_due(stats, remaining_B, last_probe, can_probe))
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
-                             remaining_B > 0, jnp.asarray(table.verify_G1), table.drafting_G,
+                             remaining_B > 0, jnp.asarray(table.verify_G1),
+                             table.drafting_G if drafting_G is None else drafting_G,
                              rules, probe, remaining_B)
     return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
 
@@ -141,10 +249,13 @@ class AdaptiveRound:
     m_G = np.arange(1, len(table.drafting_G) + 1)
     return float(np.min((table.rounds_G / table.plain - 1.0) / m_G))
 
-  def watch_pays(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+  def watch_pays(self, stats: AdaptiveStats, remaining_B, drafting_G=None) -> jax.Array:
     """[] bool, after a catch-up in hindsight: whether the plan drafts now. The plan runs
     only where some row's first-draft estimate could pay (least_first): a useless draft's
-    stretch then skips the plan's arithmetic at each of its catch-ups."""
+    stretch then skips the plan's arithmetic at each of its catch-ups. drafting_G: this
+    round's (a drafter with sources; the plan then always runs)."""
+    if drafting_G is not None:
+      return self.plan(stats, remaining_B, watch=True, drafting_G=drafting_G).drafts
     return cond_in_place(jnp.max(stats.estimate_BG[:, 0]) > self.least_first,
                          lambda _: self.plan(stats, remaining_B, watch=True).drafts,
                          lambda _: jnp.bool_(False), jnp.bool_(False))
@@ -192,7 +303,8 @@ class AdaptiveRound:
                            == _TO_THE_END)
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
-                       round_cost, budget_B, probe_every: int, catch_up_cost=0.0):
+                       round_cost, budget_B, probe_every: int, catch_up_cost=0.0,
+                       source_B=None):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B,
     looked), where looked ([] bool) says the round was a watched stretch that ended in a
@@ -210,8 +322,13 @@ class AdaptiveRound:
     rounds catches up (catch_up_cost, charged as a propose of gamma_max drafts): at 64 rows
     of the built-in pair, probes of one draft that the slowest row accepted kept coming every
     8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x.
-    probe_every: the round's (probe_every())."""
+    probe_every: the round's (probe_every()). source_B ([B] bool, a drafter with sources):
+    the rows whose drafted round reads and writes the primary's record (all False when the
+    round does not draft)."""
     rules = self.config.rules
+    if source_B is not None:
+      s = s.replace(metrics=s.metrics.replace(
+          adaptive=s.metrics.adaptive.with_source(source_B)))
     zeros_B = jnp.zeros_like(s.pending_B)
     outputs = (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
                jnp.zeros_like(s.done_B), jnp.bool_(False))
@@ -228,6 +345,8 @@ class AdaptiveRound:
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
         empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising,
         looked=looked)
+    if source_B is not None:  # back: the fields are the secondary's record again
+      stats = stats.with_source(source_B)
     stats = self.give_up_if_hopeless(
         stats, probe & ~promising,
         remaining_tokens(new.done_B, new.num_generated_B, budget_B), probe_every)
@@ -235,7 +354,7 @@ class AdaptiveRound:
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
                   lengths_B, budget_B, eos_id, can_probe, last_probe, s, *, probe_every: int,
-                  watch=False):
+                  watch=False, until=None):
     """Nobody's draft pays: plain steps up to the next probe (or to the end, where the cost
     table rules drafting out), in an inner loop, so that an undrafted stretch costs what
     autoregressive decoding does and not a whole round's bookkeeping (two conditionals, the
@@ -244,7 +363,8 @@ class AdaptiveRound:
     so ending it earlier would only plan no drafts again. A drafter that can skip rounds
     catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step. watch (see
     `watches`): the stretch learns from each catch-up in hindsight, and ends early when
-    drafting pays.
+    drafting pays. until (a drafter with sources: sourced_plan): the stretch also ends
+    after the step at which until[1](state) holds.
     -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B, looked)."""
     stats: AdaptiveStats = s.metrics.adaptive
     n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
@@ -253,7 +373,8 @@ class AdaptiveRound:
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
                                 lengths_B, budget_B, eos_id, n, s, watch=watch,
-                                probe_every=probe_every)
+                                probe_every=probe_every, until=until)
+    ready = self.ready(until)
 
     def one(c):
       i, row_rounds, s = c
@@ -262,10 +383,21 @@ class AdaptiveRound:
       return i + 1, row_rounds + jnp.sum(~s.done_B), new
 
     n = self.capped(n)
-    steps, row_rounds, s = jax.lax.while_loop(lambda c: (c[0] < n) & jnp.any(~c[2].done_B),
-                                              one, (jnp.int32(0), jnp.int32(0), s))
+    steps, row_rounds, s = jax.lax.while_loop(
+        lambda c: (c[0] < n) & jnp.any(~c[2].done_B) & ((c[0] == 0) | ~ready(c[2])), one,
+        (jnp.int32(0), jnp.int32(0), s))
     return (s, zeros_B, zeros_B, jnp.int32(0), steps, row_rounds, jnp.zeros_like(s.done_B),
             jnp.bool_(False))
+
+  @staticmethod
+  def ready(until: Sources | None):
+    """state -> [] bool: a plain stretch ends here, half the active rows or more matching a
+    primary source whose rounds pay (never without sources)."""
+    if until is None:
+      return lambda s: jnp.bool_(False)
+    # (half the active rows: at batch 1 the row; a round then decides which rows draft)
+    return lambda s: until.primary_pays & (
+        2 * jnp.sum(until.rows(s) & ~s.done_B) >= jnp.sum(~s.done_B))
 
   def capped(self, n):
     """n plain steps, at most AdaptiveConfig.max_stretch of them in this round (the rest
@@ -274,7 +406,8 @@ class AdaptiveRound:
     return n if cap is None else jnp.minimum(n, cap)
 
   def plain_stretch(self, target, drafter, gamma, sampling, params, draft_params, lengths_B,
-                    budget_B, eos_id, n, s, *, probe_every: int, watch: bool = False):
+                    budget_B, eos_id, n, s, *, probe_every: int, watch: bool = False,
+                    until=None):
     """Up to n plain steps for a drafter that skips rounds: each is generate's loop body
     (one target token, no round bookkeeping at gamma_max's shapes) plus the drafter's
     record_plain_step, the metrics are added once, and the drafter catches up after every
@@ -292,6 +425,7 @@ class AdaptiveRound:
     -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
     last = self.capped(n)  # this round's steps (n: the wait, which a cap may split)
+    ready = self.ready(until)
     rules = self.config.rules
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
@@ -326,7 +460,9 @@ class AdaptiveRound:
       start, active_steps_B, s, _ = c
       stop = jnp.minimum(start + window, last)
       i, steps_B, s = jax.lax.while_loop(
-          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B), one, (start, active_steps_B, s))
+          lambda c: (c[0] < stop) & jnp.any(~c[2].done_B) & ((c[0] == start) | ~ready(c[2])),
+          one,
+          (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
       draft_state, seen = catch_up(s.draft_state, ctx, i - start, steps_B - active_steps_B)
       s = s.replace(draft_state=draft_state)
@@ -334,8 +470,20 @@ class AdaptiveRound:
       if watch:
         stats = s.metrics.adaptive.learn_hindsight(
             *seen, rules.learning_rate, later=drafter.hindsight_speaks_for_later_drafts)
+        remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
+        if until is None:
+          pays = self.watch_pays(stats, remaining_B)
+        else:  # the primary's record learns too, and each row is planned by its source's
+          agree_BA, found_BA = drafter.primary_hindsight(ctx, seen[1].shape[1])
+          everywhere = jnp.ones_like(s.done_B)
+          stats = stats.with_source(everywhere).learn_hindsight(
+              agree_BA, seen[1] & found_BA, rules.learning_rate).with_source(everywhere)
+          primary_B = until.rows(s)
+          pays = self.watch_pays(stats.with_source(primary_B), remaining_B,
+                                 until.costs(primary_B, s.done_B))
         s = s.replace(metrics=s.metrics.replace(adaptive=stats))
-        pays = self.watch_pays(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B))
+      if until is not None:  # (a drafted round follows, caught up)
+        pays |= ready(s)
       return i, steps_B, s, pays
 
     def chunks(c):
@@ -351,8 +499,11 @@ class AdaptiveRound:
     if self.config.keeps_drafter_in_step:  # (see AdaptiveConfig)
       steps, active_steps_B, new, pays = chunks(carry)
     else:
-      steps, active_steps_B, new, pays = cond_in_place(n == _TO_THE_END, to_the_end, chunks,
-                                                       carry)
+      # (a stretch the primary may end keeps the drafter in step)
+      to_end = n == _TO_THE_END
+      if until is not None:
+        to_end &= ~until.primary_pays
+      steps, active_steps_B, new, pays = cond_in_place(to_end, to_the_end, chunks, carry)
     found_nothing = jnp.bool_(False)
     if watch:
       # a stretch that watched to its end without finding drafting worth it stands for a
@@ -455,9 +606,12 @@ class AdaptiveRound:
                      counts=counts, draft_state=draft_state)
 
   def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                    cost_G1, probe, planned, s, useful_B=None):
+                    cost_G1, probe, planned, s, useful_B=None, primary_B=None,
+                    secondary_off=None):
     """Drafts up to `planned`, admits a prefix per row (at most useful_B: drafts its budget
-    could keep), verifies at the width the scheduler picks."""
+    could keep), verifies at the width the scheduler picks. primary_B: a drafter with
+    sources' rows that draft from the primary (sourced_plan); secondary_off ([] bool): the
+    other rows draft nothing this round (admitted 0; not counted as misses)."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     from spec_jax.speculative import round_inputs  # speculative.py imports this module lazily
@@ -467,6 +621,8 @@ class AdaptiveRound:
       # nothing past the planned length is admitted: drafters may stop there (a draft
       # model's sequential steps are most of a round's drafting cost)
       ctx = ctx.replace(max_drafts=planned)
+    if primary_B is not None:
+      ctx = ctx.replace(primary_B=primary_B, secondary_off=secondary_off)
     drafts_BG, probs_BGV, draft_state = drafter.propose(draft_params, s.draft_state, ctx, gamma,
                                                         sampling, draft_key)
     if probs_BGV is None:
@@ -488,6 +644,8 @@ class AdaptiveRound:
       admitted_B = jnp.minimum(admitted_B, planned)
     if useful_B is not None:
       admitted_B = jnp.minimum(admitted_B, useful_B)
+    if secondary_off is not None:
+      admitted_B = jnp.where(secondary_off & ~primary_B, 0, admitted_B)
     # past-only caps on each row's length, for the scan's look-ahead
     limit_B = jnp.full_like(admitted_B, gamma)
     if useful_B is not None:

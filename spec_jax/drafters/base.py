@@ -62,6 +62,13 @@ class DraftContext:
   # rounds' schedule, from past rounds only). A drafter may stop drafting there, as if gamma
   # were this (autoregressive_drafts does); what it returns past it is never read.
   max_drafts: jax.Array | None = None
+  # [B] bool, or None: for a drafter with sources (Drafter.has_sources), the rows allowed to
+  # draft from the primary (the adaptive rounds' choice by each source's record, from past
+  # rounds only); the others draft from the secondary. None: the drafter's own choice.
+  primary_B: jax.Array | None = None
+  # [] bool, or None: with primary_B, no row drafts from the secondary this round (the rows
+  # that do not take the primary are not verified; the secondary only catches up)
+  secondary_off: jax.Array | None = None
 
 
 @struct.dataclass
@@ -232,6 +239,36 @@ class Drafter:
     distribution), never on draft i itself or later drafts. None: no such head (the rounds
     then use the top draft probability and the acceptance history)."""
     return None
+
+  @property
+  def has_sources(self) -> bool:
+    """Whether this drafter draws each row's drafts from one of two sources, chosen per row
+    and round from the context alone (a combination: prompt lookup where it matches, else a
+    model). gamma="auto" then keeps an acceptance record per source, prices a round whose
+    rows all take the primary one at that one's drafting cost, and ends a plain stretch
+    when the primary could pay (spec_jax.adaptive)."""
+    return False
+
+  def primary_rows(self, params, state, ctx: DraftContext) -> jax.Array:
+    """[B] bool, for a drafter with sources: the rows whose drafts `propose` at ctx would
+    take from the primary source. It may read only the context (known before anything is
+    drawn), so a round may plan by it and stay lossless."""
+    raise NotImplementedError(f"{type(self).__name__} has one source of drafts")
+
+  def primary_hindsight(self, ctx: DraftContext, width: int) -> tuple[jax.Array, jax.Array]:
+    """For a drafter with sources whose primary needs no state (lookup): (agree_BA, found_BA)
+    [B, width] over the last `width` positions before ctx's pending one: whether the
+    primary would have drafted there (found) and its first draft was the token that
+    followed (agree). A plain stretch learns the primary's record from it, as it learns
+    the secondary's from catch_up_with_hindsight."""
+    raise NotImplementedError(f"{type(self).__name__} has one source of drafts")
+
+  def propose_for_timing(self, params, state, ctx: DraftContext, gamma: int,
+                         sampling: SamplingConfig, key: jax.Array):
+    """The propose a cost table times (spec_jax.adaptive.measure_costs): `propose`, or for
+    a drafter with sources its secondary one on every row (which source a row takes at the
+    timed state depends on the prompt; the primary's rounds are priced apart)."""
+    return self.propose(params, state, ctx, gamma, sampling, key)
 
   def empty_rows(self, state) -> jax.Array | None:
     """[B] bool, from the state `propose` returned: rows whose drafts are placeholders (the

@@ -13,6 +13,12 @@ other drafter has probs. The choice must be fixed before this round's tokens are
 which depends on the context only); a choice that looked at the sampled drafts would make
 q a different distribution.
 
+With gamma="auto" a combination whose primary is prompt lookup (has_sources) is planned
+source by source (spec_jax.adaptive.rounds.AdaptiveRound.sourced_plan): the rounds keep one
+acceptance record per source, tell `propose` which rows may copy (DraftContext.primary_B:
+where lookup matches and its record promises at least the model's), and price a round whose
+rows all copy at lookup's cost.
+
 Whatever each drafter keeps across rounds must stay right on rows that took the other's
 tokens: `commit` sees the drafts the verifier saw, which there are not its own. A plain
 DraftModelDrafter assumes they are (its cache keeps its own drafts up to the accepted
@@ -136,27 +142,57 @@ class FallbackDrafter(Drafter):
                          self.secondary.init(params[1], prompt))
 
   def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
-    # as in catch_up_with_hindsight: lookup's first draft where it matches, else the
-    # secondary's guess
-    secondary, model_guess_BA = self.secondary.init_with_guesses(params[1], prompt,
-                                                                 positions_BA)
+    # the secondary's guesses (its record: see catch_up_with_hindsight)
+    secondary, guess_BA = self.secondary.init_with_guesses(params[1], prompt, positions_BA)
     state = FallbackState(self.primary.init(params[0], prompt), secondary)
-    if not self.guesses_at_init:
-      return state, None
-    guess_BA, found_BA = first_guesses(prompt.tokens_BP, positions_BA, self.primary.max_ngram,
-                                       self.primary.min_ngram)
-    return state, jnp.where(found_BA, guess_BA, model_guess_BA)
+    return state, (guess_BA if self.guesses_at_init else None)
 
   @property
   def guesses_at_init(self) -> bool:
     return self.has_hindsight and self.secondary.guesses_at_init
 
+  @property
+  def has_sources(self) -> bool:
+    # lookup's match is a function of the context alone, so a round may plan by it
+    return isinstance(self.primary, PromptLookupDrafter) and self.use_primary is found_match
+
+  def primary_rows(self, params, state: FallbackState, ctx: DraftContext) -> jax.Array:
+    if not self.has_sources:
+      return super().primary_rows(params, state, ctx)
+    # (lookup has no key and no state: the same search `propose` makes)
+    _, _, found = self.primary.propose(params[0], state.primary, ctx, 1, None, None)
+    return self.use_primary(found)
+
+  def primary_hindsight(self, ctx: DraftContext, width: int):
+    if not self.has_sources:
+      return super().primary_hindsight(ctx, width)
+    pending_BA = window_positions(ctx.position_B, width)  # L - width .. L - 1
+    guess_BA, found_BA = first_guesses(ctx.seq_BS, pending_BA, self.primary.max_ngram,
+                                       self.primary.min_ngram)
+    followed_BA = jnp.take_along_axis(ctx.seq_BS, jnp.maximum(pending_BA + 1, 0), axis=1)
+    return guess_BA == followed_BA, found_BA & (pending_BA >= 0)
+
   def propose(self, params, state: FallbackState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
+    return self._propose(params, state, ctx, gamma, sampling, key, None)
+
+  def propose_for_timing(self, params, state: FallbackState, ctx: DraftContext, gamma: int,
+                         sampling: SamplingConfig, key: jax.Array):
+    if not self.has_sources:
+      return self.propose(params, state, ctx, gamma, sampling, key)
+    return self._propose(params, state, ctx, gamma, sampling, key,
+                         jnp.zeros(ctx.position_B.shape, bool))
+
+  def _propose(self, params, state: FallbackState, ctx: DraftContext, gamma: int,
+               sampling: SamplingConfig, key: jax.Array, use_B):
+    """propose, with each row's choice given (use_B [B] bool) or, None, use_primary's."""
     key_1, key_2 = jax.random.split(key)
     tokens_1, probs_1, state_1 = self.primary.propose(params[0], state.primary, ctx, gamma,
                                                       sampling, key_1)
-    use_B = self.use_primary(state_1)
+    if use_B is None:
+      use_B = self.use_primary(state_1)
+      if ctx.primary_B is not None:  # (gamma="auto": the secondary where its record is better)
+        use_B &= ctx.primary_B
 
     def secondary_drafts(secondary_state):
       return self.secondary.propose(params[1], secondary_state, ctx, gamma, sampling, key_2)
@@ -167,9 +203,11 @@ class FallbackDrafter(Drafter):
     def primary_everywhere(o):  # the secondary's drafts would go unused: keep the zeros
       return (*o[:2], self.secondary.catch_up(params[1], o[2], ctx, gamma, sampling, key_2))
 
+    off = jnp.bool_(False) if ctx.secondary_off is None else ctx.secondary_off
     tokens_2, probs_2, state_2 = cond_in_place(
-        jnp.all(use_B), primary_everywhere, lambda o: secondary_drafts(o[2]),
+        jnp.all(use_B) | off, primary_everywhere, lambda o: secondary_drafts(o[2]),
         (*unused, state.secondary))
+    use_B |= off  # (the rest, unverified, keep lookup's placeholders: a one-hot q)
     tokens_BG = jnp.where(use_B[:, None], tokens_1, tokens_2)
     probs_BGV = None
     if probs_1 is not None or probs_2 is not None:
@@ -190,24 +228,17 @@ class FallbackDrafter(Drafter):
 
   @property
   def has_hindsight(self) -> bool:
-    # lookup where it matches, else a drafter that reports its own guesses
-    return (isinstance(self.primary, PromptLookupDrafter) and self.use_primary is found_match
-            and self.secondary.has_hindsight)
+    # the look in hindsight is the secondary's: with sources (has_sources), gamma="auto"
+    # keeps lookup's record apart, and learns it from lookup's own verified rounds
+    return self.has_sources and self.secondary.has_hindsight
 
   def catch_up_with_hindsight(self, params, state: FallbackState, ctx: DraftContext,
                               rounds: int, gamma: int):
-    # a round started at pending position p drafts lookup's continuation where lookup
-    # matches there, else the secondary's guess: its first draft is accepted (greedy) when
-    # that one is the token that followed. (Lookup's later drafts are its copy, not
-    # re-searched after each token: the secondary's run rate stands for them.)
-    secondary, model_agree_BA = self.secondary.catch_up_with_hindsight(
-        params[1], state.secondary, ctx, rounds, gamma)
-    seen = model_agree_BA.shape[1]
-    pending_BA = window_positions(ctx.position_B, seen)  # L - seen .. L - 1
-    guess_BA, found_BA = first_guesses(ctx.seq_BS, pending_BA, self.primary.max_ngram,
-                                       self.primary.min_ngram)
-    followed_BA = jnp.take_along_axis(ctx.seq_BS, pending_BA + 1, axis=1)
-    agree_BA = jnp.where(found_BA, guess_BA == followed_BA, model_agree_BA)
+    # the secondary's guesses at every position, lookup's matches or not: they speak for
+    # the secondary's record (an earlier version took lookup's copy where lookup matched,
+    # one record for both, and priced lookup's rounds at the model's drafting cost)
+    secondary, agree_BA = self.secondary.catch_up_with_hindsight(params[1], state.secondary,
+                                                                 ctx, rounds, gamma)
     primary = self.primary.catch_up_after(params[0], state.primary, ctx, rounds, gamma)
     return FallbackState(primary, secondary), agree_BA
 
