@@ -39,6 +39,10 @@ class Sources(NamedTuple):
   primary_pays: jax.Array  # [] bool: a round of the primary's drafts pays, at the stretch's start
   rows: Callable  # state -> [B] bool: the rows that would now draft from the primary
   costs: Callable  # (primary_B, done_B) -> [G] the drafting costs of a round from there
+  # (stats, primary_B, remaining_B, watch) -> RoundPlan of a round in which only primary_B's
+  # rows draft, at the primary's cost (the others: nothing, the model only catches up)
+  alone: Callable
+  copy_pays: Callable  # state -> [] bool: `alone` drafts there (a stretch ends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +76,7 @@ class AdaptiveRound:
     if drafter.has_sources:  # see sourced_plan
       primary_B, view, drafting_G, until = self.sourced_plan(drafter, sampling, eos_id,
                                                              draft_params, s, remaining_B,
-                                                             probe_every)
+                                                             budget_B, probe_every)
     plan = self.plan(view, remaining_B, watch=watch, probe_every=probe_every,
                      drafting_G=drafting_G)
     lookup_only = None
@@ -80,9 +84,7 @@ class AdaptiveRound:
       # where the model's drafting does not pay this round, rows the primary serves may still:
       # the others then draft nothing, and the model only catches up (the primary's cost)
       primary_G = jnp.asarray(table.primary_drafting_G)
-      alone = self.plan(view.replace(estimate_BG=jnp.where(primary_B[:, None], view.estimate_BG,
-                                                           0.0)),
-                        remaining_B, watch=watch, probe_every=probe_every, drafting_G=primary_G)
+      alone = until.alone(stats, primary_B, remaining_B, watch)
       lookup_only = ~plan.drafts & alone.drafts & jnp.any(primary_B & ~s.done_B)
       plan = plan._replace(drafts=plan.drafts | lookup_only,
                            size=jnp.where(lookup_only, alone.size, plan.size))
@@ -138,7 +140,7 @@ class AdaptiveRound:
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def sourced_plan(self, drafter: Drafter, sampling, eos_id, draft_params, s, remaining_B,
-                   probe_every: int):
+                   budget_B, probe_every: int):
     """For a drafter with two sources (Drafter.has_sources: lookup where it matches, else a
     model), what the round plans from -> (primary_B, the stats each row reads, the drafting
     costs, until).
@@ -149,9 +151,9 @@ class AdaptiveRound:
     primary is charged the primary's drafting (lookup's search and the model's catch-up, not
     its drafting steps). One record and the model's cost for every round kept prompt lookup +
     the built-in draft model below lookup alone (1.12x against 1.33x on its 6 code prompts).
-    until: (whether the primary's rounds pay, from its record; a function of a state saying
-    whether every active row would now take the primary): a plain stretch ends there, so a
-    match that appears during it is drafted from at once, not at the next probe."""
+    until (Sources): among others, whether a round in which only the rows that copy draft
+    would pay at a state: a plain stretch ends there, so a match that appears during it is
+    drafted from at once, not at the next probe."""
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
     table = self.config.cost_table
 
@@ -172,13 +174,28 @@ class AdaptiveRound:
       return jnp.where(jnp.all(primary_B | done_B), jnp.asarray(table.primary_drafting_G),
                        jnp.asarray(table.drafting_G))
 
+    def alone(stats, primary_B, remaining_B, watch):
+      view = stats.with_source(primary_B)
+      view = view.replace(estimate_BG=jnp.where(primary_B[:, None], view.estimate_BG, 0.0))
+      return self.plan(view, remaining_B, watch=watch, probe_every=probe_every,
+                       drafting_G=jnp.asarray(table.primary_drafting_G))
+
     stats: AdaptiveStats = s.metrics.adaptive
     primary_B = rows(s)
     everywhere = stats.with_source(jnp.ones_like(primary_B))
     primary_pays = self.plan(everywhere, remaining_B, watch=True, probe_every=probe_every,
                              drafting_G=jnp.asarray(table.primary_drafting_G)).drafts
+
+    def copy_pays(s):  # the plan itself (no probe) only where some active row copies
+      primary_B = rows(s)
+      left_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
+      return cond_in_place(
+          primary_pays & jnp.any(primary_B & ~s.done_B),
+          lambda _: alone(s.metrics.adaptive, primary_B, left_B, True).drafts,
+          lambda _: jnp.bool_(False), jnp.bool_(False))
+
     return (primary_B, stats.with_source(primary_B), costs(primary_B, s.done_B),
-            Sources(primary_pays, rows, costs))
+            Sources(primary_pays, rows, costs, alone, copy_pays))
 
   def primary_can_pay(self, drafter: Drafter) -> bool:
     """Static: the drafter has sources and a round of its primary's drafts, all accepted,
@@ -391,13 +408,11 @@ class AdaptiveRound:
 
   @staticmethod
   def ready(until: Sources | None):
-    """state -> [] bool: a plain stretch ends here, half the active rows or more matching a
-    primary source whose rounds pay (never without sources)."""
+    """state -> [] bool: a plain stretch ends here, where a round in which the rows that copy
+    draft would pay (Sources.copy_pays; never without sources)."""
     if until is None:
       return lambda s: jnp.bool_(False)
-    # (half the active rows: at batch 1 the row; a round then decides which rows draft)
-    return lambda s: until.primary_pays & (
-        2 * jnp.sum(until.rows(s) & ~s.done_B) >= jnp.sum(~s.done_B))
+    return until.copy_pays
 
   def capped(self, n):
     """n plain steps, at most AdaptiveConfig.max_stretch of them in this round (the rest
