@@ -51,8 +51,7 @@ def _adaptive_program_class():
       and never builds the drafter's state, sparing their compile, prefill and per-call
       work: a 1-layer skip of stories260K ran 5-9% slower than autoregressive for them.
       Not for trees, nor where the final drafter state is read (keeps_drafter_in_step)."""
-      if (self.drafter.is_tree or self.adaptive.keeps_drafter_in_step
-          or self.round_fn.primary_can_pay(self.drafter)):
+      if self.drafter.is_tree or self.adaptive.keeps_drafter_in_step:
         return False
       name = f"_drafts_never_{batch}"  # memoised: computed once per program and batch size
       if name not in self.__dict__:
@@ -92,8 +91,7 @@ def _adaptive_program_class():
       if self.drafter.is_tree or not self.drafter.skips_rounds:
         return init(prompt), with_stats(stats)
       never = jnp.bool_(False)
-      if not (self.adaptive.keeps_drafter_in_step
-              or self.round_fn.primary_can_pay(self.drafter)):
+      if not self.adaptive.keeps_drafter_in_step:
         never = self.round_fn.never_drafts(stats, remaining_tokens_B, self.probe_every)
       look = self.prompt_look(draft_params, prompt, target_logits_BPV)
       if look is None:

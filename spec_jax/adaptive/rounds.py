@@ -197,14 +197,6 @@ class AdaptiveRound:
     return (primary_B, stats.with_source(primary_B), costs(primary_B, s.done_B),
             Sources(primary_pays, rows, costs, alone, copy_pays))
 
-  def primary_can_pay(self, drafter: Drafter) -> bool:
-    """Static: the drafter has sources and a round of its primary's drafts, all accepted,
-    could beat a plain step (the table alone): the program must then keep its rounds, which
-    a plain stretch ends when the primary matches (sourced_plan)."""
-    table = self.config.cost_table
-    return (drafter.has_sources and not drafter.is_tree
-            and drafting_can_pay(table.verify_G1, table.primary_drafting_G))
-
   @staticmethod
   def no_plain_steps(s):
     """plain_steps' outputs for no steps (the branch a forced round never takes)."""
@@ -514,11 +506,10 @@ class AdaptiveRound:
     if self.config.keeps_drafter_in_step:  # (see AdaptiveConfig)
       steps, active_steps_B, new, pays = chunks(carry)
     else:
-      # (a stretch the primary may end keeps the drafter in step)
-      to_end = n == _TO_THE_END
-      if until is not None:
-        to_end &= ~until.primary_pays
-      steps, active_steps_B, new, pays = cond_in_place(to_end, to_the_end, chunks, carry)
+      # (a stretch to the end does not look for the primary's matches either: a secondary
+      # with no probe left is not kept in step, and a lookup round would need it caught up)
+      steps, active_steps_B, new, pays = cond_in_place(n == _TO_THE_END, to_the_end, chunks,
+                                                       carry)
     found_nothing = jnp.bool_(False)
     if watch:
       # a stretch that watched to its end without finding drafting worth it stands for a
