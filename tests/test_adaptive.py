@@ -391,7 +391,7 @@ def test_sampled_distribution_with_adaptive_lengths(small_pair, sampling):
 def test_sampled_distribution_with_a_record_per_source(small_pair):
   """Lookup + a noisy draft model under gamma="auto", sampled: rows choose their source
   per round by the context and each source's record (DraftContext.primary_B), each round is
-  priced by the sources its rows take, and plain stretches end where every row would copy.
+  priced by the sources its rows take, and plain stretches end where copying would pay.
   All of it is decided before a draft is drawn, so the tokens follow the target."""
   from spec_jax.drafters.combined import FallbackDrafter, ResyncDraftModelDrafter
   from spec_jax.drafters.prompt_lookup import PromptLookupDrafter

@@ -77,6 +77,9 @@ class AdaptiveRound:
       primary_B, view, drafting_G, until = self.sourced_plan(drafter, sampling, eos_id,
                                                              draft_params, s, remaining_B,
                                                              budget_B, probe_every)
+      if self.forced:  # timed as propose_for_timing is: the model on every row
+        primary_B, view = jnp.zeros_like(primary_B), stats
+        drafting_G = jnp.asarray(table.drafting_G)
     plan = self.plan(view, remaining_B, watch=watch, probe_every=probe_every,
                      drafting_G=drafting_G)
     lookup_only = None
@@ -100,7 +103,8 @@ class AdaptiveRound:
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                                 jnp.asarray(table.verify_G1), plan.probe, plan.size, s,
                                 useful_B=useful_B, primary_B=primary_B,
-                                secondary_off=lookup_only)
+                                secondary_off=None if primary_B is None else
+                                lookup_only | jnp.all(primary_B | s.done_B))
 
     plain_steps = functools.partial(self.plain_steps, target, drafter, gamma, sampling,
                                     verifier, params, draft_params, lengths_B, budget_B, eos_id,
@@ -116,8 +120,8 @@ class AdaptiveRound:
         budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every,
         source_B=source_B)
     if primary_B is not None and watch:
-      new = self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, new,
-                                           plan.drafts & ~source_B)
+      new = self.primary_learns_after(drafter, sampling, eos_id, gamma, s, new,
+                                      plan.drafts & ~source_B)
     return new
 
   def primary_learns_from_round(self, drafter: Drafter, sampling, eos_id, gamma: int, s, new,
@@ -138,6 +142,16 @@ class AdaptiveRound:
     stats = new.metrics.adaptive.with_source(everywhere).learn_hindsight(
         agree_BA, valid_BA, self.config.rules.learning_rate).with_source(everywhere)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+  def primary_learns_after(self, drafter: Drafter, sampling, eos_id, gamma: int, s, new,
+                           other_B):
+    """primary_learns_from_round where some row drafted from the other source (its gamma + 1
+    searches over the buffer skipped after a plain stretch)."""
+    return cond_in_place(
+        jnp.any(other_B),
+        lambda n: self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, n,
+                                                 other_B),
+        lambda n: n, new)
 
   def sourced_plan(self, drafter: Drafter, sampling, eos_id, draft_params, s, remaining_B,
                    budget_B, probe_every: int):
@@ -186,13 +200,15 @@ class AdaptiveRound:
     primary_pays = self.plan(everywhere, remaining_B, watch=True, probe_every=probe_every,
                              drafting_G=jnp.asarray(table.primary_drafting_G)).drafts
 
-    def copy_pays(s):  # the plan itself (no probe) only where some active row copies
-      primary_B = rows(s)
-      left_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
-      return cond_in_place(
-          primary_pays & jnp.any(primary_B & ~s.done_B),
-          lambda _: alone(s.metrics.adaptive, primary_B, left_B, True).drafts,
-          lambda _: jnp.bool_(False), jnp.bool_(False))
+    def copy_pays(s):  # the search where lookup's record can pay; the plan where a row copies
+      def search(_):
+        primary_B = rows(s)
+        left_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
+        return cond_in_place(
+            jnp.any(primary_B & ~s.done_B),
+            lambda _: alone(s.metrics.adaptive, primary_B, left_B, True).drafts,
+            lambda _: jnp.bool_(False), jnp.bool_(False))
+      return cond_in_place(primary_pays, search, lambda _: jnp.bool_(False), jnp.bool_(False))
 
     return (primary_B, stats.with_source(primary_B), costs(primary_B, s.done_B),
             Sources(primary_pays, rows, costs, alone, copy_pays))
@@ -373,7 +389,7 @@ class AdaptiveRound:
     catches up once per CATCH_UP_WIDTHS[-1] steps, not in every step. watch (see
     `watches`): the stretch learns from each catch-up in hindsight, and ends early when
     drafting pays. until (a drafter with sources: sourced_plan): the stretch also ends
-    after the step at which until[1](state) holds.
+    after the step at which until.copy_pays(state) holds.
     -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B, looked)."""
     stats: AdaptiveStats = s.metrics.adaptive
     n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
@@ -485,6 +501,7 @@ class AdaptiveRound:
           everywhere = jnp.ones_like(s.done_B)
           stats = stats.with_source(everywhere).learn_hindsight(
               agree_BA, seen[1] & found_BA, rules.learning_rate).with_source(everywhere)
+          s = s.replace(metrics=s.metrics.replace(adaptive=stats))  # (rows reads the records)
           primary_B = until.rows(s)
           pays = self.watch_pays(stats.with_source(primary_B), remaining_B,
                                  until.costs(primary_B, s.done_B))

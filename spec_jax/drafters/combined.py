@@ -229,7 +229,7 @@ class FallbackDrafter(Drafter):
   @property
   def has_hindsight(self) -> bool:
     # the look in hindsight is the secondary's: with sources (has_sources), gamma="auto"
-    # keeps lookup's record apart, and learns it from lookup's own verified rounds
+    # keeps lookup's record apart (it learns from lookup's rounds and primary_hindsight)
     return self.has_sources and self.secondary.has_hindsight
 
   def catch_up_with_hindsight(self, params, state: FallbackState, ctx: DraftContext,

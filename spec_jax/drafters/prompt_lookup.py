@@ -78,8 +78,8 @@ def first_guesses(seq_BS: jax.Array, pending_BA: jax.Array, max_ngram: int,
                   min_ngram: int) -> tuple[jax.Array, jax.Array]:
   """Lookup's first draft for a round started at each pending position pending_BA[b, a]
   (the tokens up to it known, in seq_BS) -> (tokens_BA, found_BA): what `propose` would
-  draft first there, and whether it matched. A combination's hindsight over a plain stretch
-  (FallbackDrafter.catch_up_with_hindsight): one search per position, each over the buffer."""
+  draft first there, and whether it matched. A combination's hindsight for lookup's record
+  (FallbackDrafter.primary_hindsight): one search per position, each over the buffer."""
   search = lambda length_B: ngram_lookup(seq_BS, length_B, 1, max_ngram, min_ngram)
   tokens_BA1, found_BA = jax.vmap(search, in_axes=1, out_axes=1)(pending_BA + 1)
   return tokens_BA1[..., 0], found_BA
