@@ -141,6 +141,14 @@ class AdaptiveStats:
         first_accepted_B=self.first_accepted_B
         + jnp.sum(valid_BA & agree_BA, axis=1).astype(jnp.int32))
 
+  def learn_primary_hindsight(self, agree_BA, valid_BA,
+                              learning_rate: float) -> "AdaptiveStats":
+    """learn_hindsight into the primary source's record (Drafter.primary_hindsight's
+    agreements), on every row."""
+    every_B = jnp.ones(self.gamma_B.shape, bool)
+    return self.with_source(every_B).learn_hindsight(
+        agree_BA, valid_BA, learning_rate).with_source(every_B)
+
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
              rounds=1, plain_row_rounds=None, empty_B=None, prior: float = 0.0,

@@ -138,9 +138,8 @@ class AdaptiveRound:
     agree_BA, found_BA = drafter.primary_hindsight(round_inputs(new, sampling, eos_id)[0], width)
     valid_BA = ((jnp.arange(width)[None, :] >= width - emitted_B[:, None]) & other_B[:, None]
                 & found_BA)
-    everywhere = jnp.ones_like(other_B)
-    stats = new.metrics.adaptive.with_source(everywhere).learn_hindsight(
-        agree_BA, valid_BA, self.config.rules.learning_rate).with_source(everywhere)
+    stats = new.metrics.adaptive.learn_primary_hindsight(agree_BA, valid_BA,
+                                                         self.config.rules.learning_rate)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def primary_learns_after(self, drafter: Drafter, sampling, eos_id, gamma: int, s, new,
@@ -498,9 +497,8 @@ class AdaptiveRound:
           pays = self.watch_pays(stats, remaining_B)
         else:  # the primary's record learns too, and each row is planned by its source's
           agree_BA, found_BA = drafter.primary_hindsight(ctx, seen[1].shape[1])
-          everywhere = jnp.ones_like(s.done_B)
-          stats = stats.with_source(everywhere).learn_hindsight(
-              agree_BA, seen[1] & found_BA, rules.learning_rate).with_source(everywhere)
+          stats = stats.learn_primary_hindsight(agree_BA, seen[1] & found_BA,
+                                                rules.learning_rate)
           s = s.replace(metrics=s.metrics.replace(adaptive=stats))  # (rows reads the records)
           primary_B = until.rows(s)
           pays = self.watch_pays(stats.with_source(primary_B), remaining_B,
