@@ -18,6 +18,9 @@ from conftest import perturbed
 from spec_jax.drafters import (DraftModelDrafter, Drafter, FallbackDrafter, LayerSkipDrafter,
                                PromptLookupDrafter, ResyncDraftModelDrafter, make_drafter,
                                ngram_lookup, quantized_target_drafter)
+from spec_jax.drafters.base import DraftContext, PromptInfo
+from spec_jax.drafters.combined import LAG_WIDTHS
+from spec_jax.drafters.draft_model import DraftModelState
 from spec_jax.drafters.layer_skip import truncated_model
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
@@ -167,17 +170,63 @@ class ProposeToCatchUp(ResyncDraftModelDrafter):
 
 @dataclasses.dataclass(frozen=True)
 class NeverCatchesUp(ResyncDraftModelDrafter):
-  """Wrong on purpose: the rounds it sits out never reach its cache."""
+  """Wrong on purpose: claims the rounds it sits out, which never reach its cache."""
 
   def catch_up(self, params, state, ctx, gamma, sampling, key):
-    return state
+    return DraftModelState(state.cache.with_length(ctx.position_B + 1))
 
 
-def test_rounds_where_every_row_copies_only_catch_the_draft_model_up(stories, reference_tokens):
+def test_a_draft_model_that_sat_out_rounds_drafts_as_one_that_did_not(stories, reference_tokens):
+  """A combination's draft model defers its catch-up (rounds where every row copies leave its
+  cache behind); its next propose feeds what it missed. Ragged lags in one batch (none, within
+  each of LAG_WIDTHS' windows, and past the widest, which fill_below feeds first): the same
+  drafts, draft probabilities and cache as a draft model that saw every token in its prefill,
+  and the same model guesses in hindsight after a stretch."""
+  model, params = stories
+  drafter, draft_params = make_drafter("lookup+layer_skip", model, params, num_layers=LAYERS)
+  resync, draft_params = drafter.secondary, draft_params[1]
+  gamma, position = 4, 70
+  lags = [0, 1, LAG_WIDTHS[1], LAG_WIDTHS[1] + 5, LAG_WIDTHS[2], LAG_WIDTHS[2] + 30]
+  seq = np.asarray(reference_tokens[:position + 9], np.int32)
+  seq_BS = jnp.asarray(np.pad(np.tile(seq, (len(lags), 1)), ((0, 0), (0, 32))))
+  position_B = jnp.full((len(lags),), position, jnp.int32)
+  # a cache valid below position - gamma - lag (the resync's window starts at position - gamma),
+  # its stale slots written from other tokens
+  valid_B = position_B - gamma - jnp.asarray(lags, jnp.int32)
+  other_BS = jnp.where(jnp.arange(seq_BS.shape[1])[None] < valid_B[:, None], seq_BS, 7)
+  lagging = PromptInfo(other_BS, valid_B, seq_BS.shape[1])
+  caught_up = PromptInfo(seq_BS, position_B, seq_BS.shape[1])
+  ctx = DraftContext(seq_BS, position_B, seq_BS[:, position])
+  sampled = SamplingConfig(temperature=1.0)
+  key = jax.random.key(3)
+  outs = {}
+  for name, prompt in (("lagging", lagging), ("caught up", caught_up), ("claims", lagging)):
+    state = resync.init(draft_params, prompt)
+    if name == "claims":  # the control: a cache that says it holds what it missed
+      state = DraftModelState(state.cache.with_length(position_B - gamma))
+    greedy_BG = resync.propose(draft_params, state, ctx, gamma, SamplingConfig(), key)[0]
+    tokens_BG, probs_BGV, after = resync.propose(draft_params, state, ctx, gamma, sampled, key)
+    stretched = DraftContext(seq_BS, position_B + 8, seq_BS[:, position + 8])
+    _, agree_BA = resync.catch_up_with_hindsight(draft_params, state, stretched, 8, gamma)
+    outs[name] = greedy_BG, tokens_BG, probs_BGV, agree_BA, after.cache
+  lag_out, ref_out = outs["lagging"], outs["caught up"]
+  np.testing.assert_array_equal(lag_out[0], ref_out[0])
+  np.testing.assert_array_equal(lag_out[1], ref_out[1])
+  np.testing.assert_allclose(lag_out[2], ref_out[2], atol=1e-5)
+  np.testing.assert_array_equal(lag_out[3], ref_out[3])
+  np.testing.assert_array_equal(lag_out[4].length_B, position_B + 1)
+  for row in range(len(lags)):
+    assert_cache_prefix_close(lag_out[4], ref_out[4], row, position + 1, f"lag {lags[row]}")
+  wrong = np.abs(np.asarray(outs["claims"][2] - ref_out[2])).max(axis=(1, 2))
+  assert (wrong[2:] > 1e-3).all()  # where the lag reaches past the resync's own window
+
+
+def test_rounds_where_every_row_copies_leave_the_draft_model_behind(stories, reference_tokens):
   """Lookup matches in most rounds on a passage given twice (batch 1): there the draft model
-  only re-feeds its window, without its drafting steps. Same tokens, same acceptance per
-  round, and the same draft cache as a full proposal every round; a drafter that skipped
-  those rounds' tokens would be caught by the cache check."""
+  does nothing, and feeds what it missed when it next drafts. Same tokens, same acceptance
+  per round as a full proposal every round; at the end its cache lags (the last rounds
+  copied) and holds what a fresh prefill would below its length; a drafter that claimed
+  those rounds' tokens without feeding them would be caught by the cache check."""
   model, params = stories
   passage = reference_tokens[131:160]
   prompts = pad_prompts([[1] + passage + passage])
@@ -199,7 +248,7 @@ def test_rounds_where_every_row_copies_only_catch_the_draft_model_up(stories, re
   positions = np.broadcast_to(np.arange(seq.shape[1], dtype=np.int32), seq.shape)
   _, _, fresh = draft_model.apply(params, seq, positions, draft_model.init_cache(*seq.shape))
   kept = int(np.asarray(caches["fast"].length_B)[0])
-  assert seq_len - 1 - gamma <= kept <= seq_len
+  assert kept < seq_len - 1 - gamma  # behind: the rounds that copied last were not fed
   assert_cache_prefix_close(caches["fast"], fresh, 0, kept, "catch-up cache")
   with pytest.raises(AssertionError):  # the catch-up rounds happened, and they matter
     assert_cache_prefix_close(caches["never"], fresh, 0, kept, "no catch-up")
