@@ -252,7 +252,9 @@ class CostTable(NamedTuple):
     """[G] for a drafter with sources (Drafter.has_sources), a round whose rows all take the
     primary: lookup's search and the secondary's catch-up, whatever m. Priced as the
     secondary's first-draft propose (the table's m = 1 point, timed on the secondary: its
-    window pass, which is the catch-up, and one draft read from it)."""
+    window pass and one draft read from it). The resynced draft model defers that catch-up
+    to its next pass (one wider window for several such rounds), so this charges the round
+    the feed it defers, and on a small draft model more than its share of that pass."""
     return np.full_like(self.drafting_G, self.drafting_G[0])
 
   @property

@@ -157,9 +157,10 @@ class Drafter:
 
   def catch_up(self, params, state, ctx: DraftContext, gamma: int, sampling: SamplingConfig,
                key: jax.Array) -> Any:
-    """The state `propose` would return, for a round in which no row uses this drafter's
+    """A state `propose` can go on from, for a round in which no row uses this drafter's
     drafts (a combination verifies another drafter's on every row). By default: propose and
-    drop the drafts; a drafter with a cheaper way to keep its state right overrides this."""
+    drop the drafts; a drafter with a cheaper way to keep its state right overrides this (the
+    resynced draft model of a combination defers it: its next pass feeds what it missed)."""
     return self.propose(params, state, ctx, gamma, sampling, key)[2]
 
   @property
@@ -169,8 +170,8 @@ class Drafter:
     return False
 
   def catch_up_after(self, params, state, ctx: DraftContext, rounds: int, gamma: int) -> Any:
-    """The state `propose` needs at `ctx`, after at most `rounds` (static) plain target steps
-    in which this drafter was not called at all (no propose, catch_up or commit; only
+    """A state `propose` can go on from at `ctx`, after at most `rounds` (static) plain target
+    steps in which this drafter was not called at all (no propose, catch_up or commit; only
     record_plain_step), following a round of `gamma` drafts (or the prompt, or another
     stretch). Adaptive speculation's plain steps call it once after such a stretch instead
     of catching up every step: a draft model then feeds the stretch's tokens in one pass

@@ -2,9 +2,9 @@
 
 Both drafters propose every round (fixed shapes), each row takes one of the two proposals,
 and both commit the same, true outcome. In a round where every row takes the primary's, the
-secondary only catches up (`Drafter.catch_up`: for a draft model, its window pass without
-the drafting steps). Typical: prompt lookup first, a draft model where lookup finds no
-match, so repetitive rows copy and the others draft.
+secondary only catches up (`Drafter.catch_up`: for the resynced draft model, nothing at all
+until its next pass, which feeds what it missed). Typical: prompt lookup first, a draft
+model where lookup finds no match, so repetitive rows copy and the others draft.
 
 Lossless when sampling: the verifier must see the q each row's tokens were drawn from. A
 row that takes a deterministic drafter's tokens (probs None) gets a one-hot q when the
