@@ -323,11 +323,14 @@ def test_timing_plan_bounds_the_start_up_measurement():
   slow = [0.004, 0.011, 1.0]
   passes, repeats = timing_plan(slow, repeats=5)
   assert passes == [5, 2, 1]  # calls of at least CALL_SECONDS (0.02 s)
-  # a round of calls takes 1.042 s: 3 rounds fit the 4 s budget, 5 would not
-  assert MEASURE_SECONDS == 4.0 and repeats == 3
+  # a round of calls takes 2 x 1.042 s (each timed on its second call in a row): one round
+  # fits the 4 s budget, two would not
+  assert MEASURE_SECONDS == 4.0 and repeats == 1
+  passes, repeats = timing_plan([0.004, 0.011, 0.6], repeats=5)
+  assert passes == [5, 2, 1] and repeats == 3  # 2 x 0.642 s a round
   # each repeat also pays every call's fixed cost twice (with its passes, and alone)
-  passes, repeats = timing_plan(slow, repeats=5, call_seconds=[0.1, 0.1, 0.3])
-  assert passes == [5, 2, 1] and repeats == 1  # 2.042 s a round
+  passes, repeats = timing_plan([0.004, 0.011, 0.6], repeats=5, call_seconds=[0.1, 0.1, 0.3])
+  assert passes == [5, 2, 1] and repeats == 1  # 2 x 1.642 s a round
 
 
 def test_drafting_costs_follow_the_two_measured_points():

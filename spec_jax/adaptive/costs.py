@@ -43,21 +43,29 @@ def timing_plan(pass_seconds: list[float], repeats: int,
   table takes seconds, not the quarter of an hour 16 passes x 6 calls x 5 widths would."""
   passes = [int(min(LOOP_PASSES, max(1, math.ceil(CALL_SECONDS / max(t, 1e-9)))))
             for t in pass_seconds]
-  per_round = sum(p * t for p, t in zip(passes, pass_seconds)) + 2 * sum(call_seconds or ())
+  # each thunk is called twice a repeat (_interleaved_seconds), with and without its passes
+  per_round = 2 * (sum(p * t for p, t in zip(passes, pass_seconds))
+                   + 2 * sum(call_seconds or ()))
   return passes, int(max(1, min(repeats, MEASURE_SECONDS // max(per_round, 1e-9))))
 
 
 def _interleaved_seconds(thunks, repeats: int) -> list[float]:
   """The fastest of `repeats` timings of each thunk, taken in turn (round robin; each thunk
-  compiled and warmed up by the caller).
+  compiled and warmed up by the caller), each timed on its second call in a row.
 
   The table's decisions compare costs with each other (tokens per second of one plan
   against another), so what matters is their ratios. Taking the thunks in turn puts a burst
   of another process's load on all of them alike; the minimum is the estimate least moved
-  by such bursts (on this shared 2-core CPU one-off medians swung 1.2-1.6x)."""
+  by such bursts (on this shared 2-core CPU one-off medians swung 1.2-1.6x). The first call
+  after another program's runs slow: on the built-in pair a call of 6 plain steps took
+  16.0 ms there against 11.0 ms called again, which put a plain step at 2.5 ms against the
+  1.6-1.8 ms the generation loop spends on one (and so drafting at 0.6-0.7 of its cost
+  relative to a plain step). The loop runs each kind of pass in runs (plain stretches,
+  drafted rounds), so the table times them warm."""
   best = [math.inf] * len(thunks)
   for _ in range(repeats):
     for i, thunk in enumerate(thunks):
+      jax.block_until_ready(thunk())
       best[i] = min(best[i], _seconds(thunk))
   return best
 
