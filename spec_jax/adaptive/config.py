@@ -173,7 +173,9 @@ class AdaptiveConfig:
   # A plain stretch that runs to the end of the generation leaves the drafter's state behind:
   # nothing drafts again, and its catch-ups cost 5-7% of a 64-row run on the built-in pair.
   # True keeps it caught up, for callers that read the final drafter state (speculate's
-  # return_state sets it: keeping_draft_state).
+  # return_state sets it: keeping_draft_state). A combination's resynced draft model may
+  # still lag (its catch-ups wait for its next pass): its cache is valid below its length_B,
+  # and its next propose feeds the rest.
   final_draft_state: bool = False
   # The most plain steps one round runs (None: no cap). Streaming sets it to its chunk's
   # rounds: a plain stretch counts its steps as rounds, and one that ran to the end came out
