@@ -120,8 +120,8 @@ class AdaptiveRound:
         budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every,
         source_B=source_B)
     if primary_B is not None and watch:
-      new = self.primary_learns_after(drafter, sampling, eos_id, gamma, s, new,
-                                      plan.drafts & ~source_B)
+      new = self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, new,
+                                           plan.drafts & ~source_B)
     return new
 
   def primary_learns_from_round(self, drafter: Drafter, sampling, eos_id, gamma: int, s, new,
@@ -131,26 +131,23 @@ class AdaptiveRound:
     right, at each position the round emitted, on the rows that drafted from the other
     source (other_B [B] bool). Otherwise a record that fell behind the model's would never
     draft, and so never learn again, while the model drafted a loop that lookup copies at a
-    fraction of the cost (the built-in pair's prompt 4: 1.17x against lookup alone's 2.17x)."""
+    fraction of the cost (the built-in pair's prompt 4: 1.17x against lookup alone's 2.17x).
+    Only where some row drafted from the other source (its gamma + 1 searches over the
+    buffer are skipped after a plain stretch)."""
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
     width = gamma + 1  # the most tokens a drafted round emits
-    emitted_B = new.num_generated_B - s.num_generated_B
-    agree_BA, found_BA = drafter.primary_hindsight(round_inputs(new, sampling, eos_id)[0], width)
-    valid_BA = ((jnp.arange(width)[None, :] >= width - emitted_B[:, None]) & other_B[:, None]
-                & found_BA)
-    stats = new.metrics.adaptive.learn_primary_hindsight(agree_BA, valid_BA,
-                                                         self.config.rules.learning_rate)
-    return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
-  def primary_learns_after(self, drafter: Drafter, sampling, eos_id, gamma: int, s, new,
-                           other_B):
-    """primary_learns_from_round where some row drafted from the other source (its gamma + 1
-    searches over the buffer skipped after a plain stretch)."""
-    return cond_in_place(
-        jnp.any(other_B),
-        lambda n: self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, n,
-                                                 other_B),
-        lambda n: n, new)
+    def learn(new):
+      emitted_B = new.num_generated_B - s.num_generated_B
+      agree_BA, found_BA = drafter.primary_hindsight(round_inputs(new, sampling, eos_id)[0],
+                                                     width)
+      valid_BA = ((jnp.arange(width)[None, :] >= width - emitted_B[:, None])
+                  & other_B[:, None] & found_BA)
+      stats = new.metrics.adaptive.learn_primary_hindsight(agree_BA, valid_BA,
+                                                           self.config.rules.learning_rate)
+      return new.replace(metrics=new.metrics.replace(adaptive=stats))
+
+    return cond_in_place(jnp.any(other_B), learn, lambda n: n, new)
 
   def sourced_plan(self, drafter: Drafter, sampling, eos_id, draft_params, s, remaining_B,
                    budget_B, probe_every: int):

@@ -77,9 +77,9 @@ class ResyncDraftModelDrafter(DraftModelDrafter):
 
     def window(extra):
       def run(c):
-        # clamped at 0 early on: repeated (token 0, position 0) entries write the same values
-        window_BW = jnp.maximum(
-            pos_B[:, None] + jnp.arange(-gamma - extra, 1, dtype=jnp.int32)[None, :], 0)
+        # slots L - gamma - extra .. L, clamped at 0 early on: repeated (token 0, position 0)
+        # entries write the same values
+        window_BW = jnp.maximum(window_positions(pos_B + 1, gamma + 1 + extra), 0)
         tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
         logits_B1V, _, cache = self.model.apply(params, tokens_BW, window_BW, c[1],
                                                 last_logits_only=True)
