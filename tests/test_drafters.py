@@ -19,7 +19,7 @@ from spec_jax.drafters import (DraftModelDrafter, Drafter, FallbackDrafter, Laye
                                PromptLookupDrafter, ResyncDraftModelDrafter, make_drafter,
                                ngram_lookup, quantized_target_drafter)
 from spec_jax.drafters.base import DraftContext, PromptInfo
-from spec_jax.drafters.combined import LAG_WIDTHS
+from spec_jax.drafters.combined import LAG_WIDTHS, resync_widths
 from spec_jax.drafters.draft_model import DraftModelState
 from spec_jax.drafters.layer_skip import truncated_model
 from spec_jax.generate import generate, pad_prompts
@@ -219,6 +219,50 @@ def test_a_draft_model_that_sat_out_rounds_drafts_as_one_that_did_not(stories, r
     assert_cache_prefix_close(lag_out[4], ref_out[4], row, position + 1, f"lag {lags[row]}")
   wrong = np.abs(np.asarray(outs["claims"][2] - ref_out[2])).max(axis=(1, 2))
   assert (wrong[2:] > 1e-3).all()  # where the lag reaches past the resync's own window
+
+
+def test_a_resync_feeds_only_the_slots_its_cache_lacks(stories, reference_tokens):
+  """After a round the model drafted in, its cache lacks the accepted drafts and the
+  target's token (1 to gamma + 1 slots before the pending one, ragged across rows): the
+  resync feeds them in the narrowest window that covers every row (resync_widths), with
+  the same drafts, draft probabilities and cache as a model that saw every token. A control
+  whose cache claims one slot it lacks (a window picked one slot too narrow) drafts
+  differently wherever that picks a window that misses the slot."""
+  model, params = stories
+  drafter, draft_params = make_drafter("lookup+layer_skip", model, params, num_layers=LAYERS)
+  resync, draft_params = drafter.secondary, draft_params[1]
+  gamma, position = 4, 70
+  assert resync_widths(gamma)[:2] == (2, 5)  # narrow windows exist to be tested
+  seq = np.asarray(reference_tokens[:position + 9], np.int32)
+  sampled = SamplingConfig(temperature=1.0)
+  key = jax.random.key(5)
+  widths = resync_widths(gamma)
+  for lacking in ([1, 1], [2, 1], [3, 2], [gamma + 1, 3], [gamma + 2, 2]):  # missing, per row
+    rows = len(lacking)
+    seq_BS = jnp.asarray(np.pad(np.tile(seq, (rows, 1)), ((0, 0), (0, 32))))
+    position_B = jnp.full((rows,), position, jnp.int32)
+    caught_up = PromptInfo(seq_BS, position_B, seq_BS.shape[1])
+    ctx = DraftContext(seq_BS, position_B, seq_BS[:, position])
+    outs = {}
+    for name, missing in (("lacking", lacking), ("claims one", [m - 1 for m in lacking])):
+      valid_B = position_B + 1 - jnp.asarray(lacking, jnp.int32)
+      other_BS = jnp.where(jnp.arange(seq_BS.shape[1])[None] < valid_B[:, None], seq_BS, 7)
+      state = resync.init(draft_params, PromptInfo(other_BS, valid_B, seq_BS.shape[1]))
+      claimed_B = position_B + 1 - jnp.asarray(missing, jnp.int32)
+      state = DraftModelState(state.cache.with_length(claimed_B))
+      tokens_BG, probs_BGV, after = resync.propose(draft_params, state, ctx, gamma, sampled, key)
+      outs[name] = tokens_BG, probs_BGV, after.cache
+    ref = resync.propose(draft_params, resync.init(draft_params, caught_up), ctx, gamma,
+                         sampled, key)
+    got = outs["lacking"]
+    np.testing.assert_array_equal(got[0], ref[0], err_msg=f"lacking {lacking}")
+    np.testing.assert_allclose(got[1], ref[1], atol=1e-5, err_msg=f"lacking {lacking}")
+    for row in range(rows):
+      assert_cache_prefix_close(got[2], ref[2].cache, row, position + 1, f"lacking {lacking}")
+    most = max(lacking)
+    if min(w for w in widths if w >= most - 1) < most:  # the control's window misses a slot
+      wrong = np.abs(np.asarray(outs["claims one"][1] - ref[1])).max(axis=(1, 2))
+      assert wrong[lacking.index(most)] > 1e-3, f"lacking {lacking}: a missing slot unnoticed"
 
 
 def test_rounds_where_every_row_copies_leave_the_draft_model_behind(stories, reference_tokens):
