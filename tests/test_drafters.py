@@ -190,8 +190,8 @@ def test_a_draft_model_that_sat_out_rounds_drafts_as_one_that_did_not(stories, r
   seq = np.asarray(reference_tokens[:position + 9], np.int32)
   seq_BS = jnp.asarray(np.pad(np.tile(seq, (len(lags), 1)), ((0, 0), (0, 32))))
   position_B = jnp.full((len(lags),), position, jnp.int32)
-  # a cache valid below position - gamma - lag (the resync's window starts at position - gamma),
-  # its stale slots written from other tokens
+  # a cache valid below position - gamma - lag (lag slots beyond what a round can leave
+  # missing, gamma + 1), its stale slots written from other tokens
   valid_B = position_B - gamma - jnp.asarray(lags, jnp.int32)
   other_BS = jnp.where(jnp.arange(seq_BS.shape[1])[None] < valid_B[:, None], seq_BS, 7)
   lagging = PromptInfo(other_BS, valid_B, seq_BS.shape[1])
@@ -232,24 +232,24 @@ def test_a_resync_feeds_only_the_slots_its_cache_lacks(stories, reference_tokens
   drafter, draft_params = make_drafter("lookup+layer_skip", model, params, num_layers=LAYERS)
   resync, draft_params = drafter.secondary, draft_params[1]
   gamma, position = 4, 70
-  assert resync_widths(gamma)[:2] == (2, 5)  # narrow windows exist to be tested
+  widths = resync_widths(gamma)
+  assert widths[:2] == (2, 5)  # narrow windows exist to be tested
   seq = np.asarray(reference_tokens[:position + 9], np.int32)
   sampled = SamplingConfig(temperature=1.0)
   key = jax.random.key(5)
-  widths = resync_widths(gamma)
   for lacking in ([1, 1], [2, 1], [3, 2], [gamma + 1, 3], [gamma + 2, 2]):  # missing, per row
     rows = len(lacking)
     seq_BS = jnp.asarray(np.pad(np.tile(seq, (rows, 1)), ((0, 0), (0, 32))))
     position_B = jnp.full((rows,), position, jnp.int32)
     caught_up = PromptInfo(seq_BS, position_B, seq_BS.shape[1])
     ctx = DraftContext(seq_BS, position_B, seq_BS[:, position])
+    valid_B = position_B + 1 - jnp.asarray(lacking, jnp.int32)
+    other_BS = jnp.where(jnp.arange(seq_BS.shape[1])[None] < valid_B[:, None], seq_BS, 7)
+    prefilled = resync.init(draft_params, PromptInfo(other_BS, valid_B, seq_BS.shape[1]))
     outs = {}
     for name, missing in (("lacking", lacking), ("claims one", [m - 1 for m in lacking])):
-      valid_B = position_B + 1 - jnp.asarray(lacking, jnp.int32)
-      other_BS = jnp.where(jnp.arange(seq_BS.shape[1])[None] < valid_B[:, None], seq_BS, 7)
-      state = resync.init(draft_params, PromptInfo(other_BS, valid_B, seq_BS.shape[1]))
       claimed_B = position_B + 1 - jnp.asarray(missing, jnp.int32)
-      state = DraftModelState(state.cache.with_length(claimed_B))
+      state = DraftModelState(prefilled.cache.with_length(claimed_B))
       tokens_BG, probs_BGV, after = resync.propose(draft_params, state, ctx, gamma, sampled, key)
       outs[name] = tokens_BG, probs_BGV, after.cache
     ref = resync.propose(draft_params, resync.init(draft_params, caught_up), ctx, gamma,
