@@ -86,11 +86,12 @@ def speculate(target, params, drafter, draft_params, prompt_tokens_BP, prompt_le
                                    prompt_lengths_B, gamma=gamma, max_new_tokens=max_new_tokens,
                                    sampling=sampling, eos_id=eos_id, key=key, budgets_B=budgets_B,
                                    pad_id=pad_id, cache_len=cache_len, verifier=verifier)
+  costs = adaptive.run_costs(program, args[0].shape)  # (None: the program's own table)
   if return_state:
     program = adaptive.keeping_draft_state(program)
   out, cache, draft_state = speculative_jit(program, params,
                                             passed_draft_params(params, draft_params), *args,
-                                            keep_state=return_state)
+                                            costs, keep_state=return_state)
   return (out, cache, draft_state) if return_state else out
 
 
@@ -105,7 +106,8 @@ def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_length
   program, args = measured_program(target, params, drafter, draft_params, prompt_tokens_BP,
                                    prompt_lengths_B, **settings)
   return speculative_jit.lower(program, params, passed_draft_params(params, draft_params),
-                              *args, keep_state=False)
+                              *args, adaptive.run_costs(program, args[0].shape),
+                              keep_state=False)
 
 
 def measured_program(target, params, drafter, draft_params, prompt_tokens_BP, prompt_lengths_B,

@@ -51,11 +51,14 @@ class AdaptiveStats:
   # a drafter with sources: the primary's record; the fields above are the secondary's
   # (with_source swaps them per row for a round that drafts from the primary)
   primary: SourceRecord | None = None
+  # the cost table the rounds plan from (spec_jax.adaptive.CostTable of arrays): an argument
+  # of the program, carried unchanged (None: the config's static table)
+  costs: object = None
 
   @classmethod
   def zeros(cls, batch_size: int, gamma: int, widths, initial_gamma: int, prior: float,
             probe_every: int, tree_nodes: int | None = None,
-            sources: bool = False) -> "AdaptiveStats":
+            sources: bool = False, costs=None) -> "AdaptiveStats":
     nodes = None if tree_nodes is None else jnp.full((batch_size, tree_nodes - 1), prior,
                                                      jnp.float32)
     record = lambda: (jnp.full((batch_size, gamma), prior, jnp.float32),
@@ -66,7 +69,7 @@ class AdaptiveStats:
                jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32),
                first_seen_B, first_accepted_B, nodes,
-               SourceRecord(*record()) if sources else None)
+               SourceRecord(*record()) if sources else None, costs)
 
   def with_source(self, primary_B) -> "AdaptiveStats":
     """The record each row reads and writes swapped to its primary source's where primary_B

@@ -201,7 +201,11 @@ class SpeculativeProgram:
   def __getstate__(self):  # a pickled program recomputes its hash (str hashes are per process)
     return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
-  def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key) -> SpecState:
+  def init(self, params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key,
+           costs=None) -> SpecState:
+    """Prefill and the first token. costs: gamma="auto"'s cost table as an argument
+    (adaptive.CostTable of arrays; None: the program's own, static); other programs take
+    none."""
     seq_BS = initial_buffer(tokens_BP, self.cache_len)
     logits_BPV, hidden_BPD, cache = prefill_all(self.target, params, tokens_BP, lengths_B,
                                                 self.cache_len)
@@ -214,7 +218,7 @@ class SpeculativeProgram:
     draft_state, metrics = self.init_drafter(
         draft_params, PromptInfo(tokens_BP, lengths_B, self.cache_len, hidden_BPD), metrics,
         remaining_tokens_B=remaining_tokens(done_B, num_generated_B, budget_B),
-        target_logits_BPV=logits_BPV)
+        target_logits_BPV=logits_BPV, **({} if costs is None else {"costs": costs}))
     return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics,
                      failed_B, counts)
 
@@ -273,13 +277,15 @@ def passed_draft_params(params, draft_params):
 
 @functools.partial(jax.jit, static_argnames=("program", "keep_state"))
 def speculative_jit(program: SpeculativeProgram, params, draft_params, tokens_BP, lengths_B,
-                     budget_B, eos_id, pad_id, key, *, keep_state: bool = True):
+                     budget_B, eos_id, pad_id, key, costs=None, *, keep_state: bool = True):
   """-> (GenerationOutput, final target cache, final drafter state); keep_state=False: the
   two states are None (not outputs at all: each output array costs host time to hand back,
-  and a drafter's state holds many). draft_params may be TARGET_PARAMS: the target's own."""
+  and a drafter's state holds many). draft_params may be TARGET_PARAMS: the target's own.
+  costs: gamma="auto"'s cost table as an argument (SpeculativeProgram.init)."""
   if isinstance(draft_params, _TargetParams):
     draft_params = params
-  state = program.init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key)
+  state = program.init(params, draft_params, tokens_BP, lengths_B, budget_B, eos_id, key,
+                       costs)
   state = program.run(params, draft_params, lengths_B, budget_B, eos_id, state,
                       program.max_new_tokens)
   out = program.finish(state, lengths_B, pad_id)

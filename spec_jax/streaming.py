@@ -20,8 +20,9 @@ from spec_jax.speculative import SpeculativeProgram
 
 
 @functools.partial(jax.jit, static_argnames=("program",))
-def _init(program: SpeculativeProgram, params, draft_params, tokens, lengths, budgets, eos, key):
-  return program.init(params, draft_params, tokens, lengths, budgets, eos, key)
+def _init(program: SpeculativeProgram, params, draft_params, tokens, lengths, budgets, eos, key,
+          costs):
+  return program.init(params, draft_params, tokens, lengths, budgets, eos, key, costs)
 
 
 @functools.partial(jax.jit, static_argnames=("program",), donate_argnames=("state",))
@@ -55,9 +56,11 @@ def speculative_chunks(target, params, drafter, draft_params, prompt_tokens_BP, 
                                    sampling=sampling or SamplingConfig(), eos_id=eos_id, key=key,
                                    budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len,
                                    verifier=verifier)
+  # the table timed in speculate's executable (this one caps its stretches): the best known
+  costs = adaptive.run_costs(program, args[0].shape)
   program = adaptive.with_max_stretch(program, rounds_per_chunk)
   tokens, lengths, budgets, eos, pad, key = args
-  state = _init(program, params, draft_params, tokens, lengths, budgets, eos, key)
+  state = _init(program, params, draft_params, tokens, lengths, budgets, eos, key, costs)
   rounds = 0  # run so far, as the state counts them (a stretch of plain steps counts several)
   while True:
     state = _run(program, params, draft_params, lengths, budgets, eos, state,

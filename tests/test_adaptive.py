@@ -470,6 +470,95 @@ def test_one_compile_every_width_reached(stories, story_prompts):
   assert (hist > 0).all(), hist
 
 
+def test_the_cost_table_is_an_argument_of_the_program(stories, story_prompts):
+  """An `auto` program's rounds plan from a table passed to it (CostTable.arguments): another
+  table is another argument, not another compile, and changes what the rounds do. Its
+  `force` makes every round verify that many drafts on every row (each width reached), or
+  (0) runs one plain stretch to the end: what measure_in_program times. Greedy output
+  equals generate's under every table."""
+  from spec_jax.adaptive import CostTable
+  model, params = stories
+  prompts = pad_prompts(story_prompts[:2], width=12)
+  ref = generate(model, params, *prompts, max_new_tokens=NEW)
+  drafter, draft_params = DraftModelDrafter(model), perturbed(params, 0.15, seed=1)
+  program, args = prepare_program(model, drafter, *prompts, gamma=config(), max_new_tokens=NEW)
+  static = program.adaptive.cost_table  # FLAT: drafting is free
+
+  def run(costs):
+    out = speculative_jit(program, params, draft_params, *args, costs, keep_state=False)[0]
+    assert np.array_equal(out.tokens, ref.tokens)
+    return summarize(out.metrics)
+
+  free = run(static.arguments())
+  compiled = speculative_jit._cache_size()
+  dear = run(CostTable(static.target_W, static.verify_G1,
+                       np.full_like(static.drafting_G, 100.0)).arguments())
+  # (the static table still says drafting can pay, so probes still come)
+  assert free["adaptive"]["undrafted_rounds"] < 0.3 * free["rounds"], free["adaptive"]
+  assert dear["adaptive"]["undrafted_rounds"] > 0.7 * dear["rounds"], dear["adaptive"]
+  plain = run(static.arguments(0))
+  assert plain["adaptive"]["width_rounds"] == {1: NEW - 1, 2: 0, 3: 0, 5: 0, 9: 0}
+  assert plain["adaptive"]["undrafted_rounds"] == NEW - 1
+  for k, width in ((1, 2), (2, 3), (4, 5), (8, 9)):
+    forced = run(static.arguments(k))
+    widths = forced["adaptive"]["width_rounds"]
+    assert widths == {w: forced["rounds"] * (w == width) for w in (1, 2, 3, 5, 9)}, (k, widths)
+    assert forced["adaptive"]["admitted_hist"][k] > 0
+  assert speculative_jit._cache_size() == compiled
+
+
+def test_the_table_is_timed_in_the_executable_that_runs(stories, story_prompts, monkeypatch):
+  """measure_in_program times each width in the program `speculate` then runs (one compile
+  for both): every width forced (0: plain to the end) at two budgets, without EOS; the
+  table it gives is valid (positive, finite, never cheaper wider; the start-up table's
+  drafting), and speculate runs with it. in_program_costs=False (the default): the start-up
+  table alone."""
+  from spec_jax import adaptive, speculative
+  from spec_jax.adaptive import cost_of_lengths
+  from spec_jax.engine import measured_program
+  model, params = stories
+  prompts = pad_prompts(story_prompts[:2], width=12)
+  drafter, draft_params = DraftModelDrafter(model), perturbed(params, 0.15, seed=1)
+  monkeypatch.setattr(adaptive.in_program, "_MEASURED", {})
+  # a start-up table under which drafting can pay (a program that never drafts is not timed)
+  monkeypatch.setattr(adaptive.costs, "measure_costs",
+                      lambda *a, **k: ((1.0, 1.1, 1.2, 1.3, 1.5), 0.1, 0.05))
+  calls = []
+  real = speculative.speculative_jit
+
+  def recording(program, *a, **k):
+    calls.append((a[-1].force.item() if a[-1] is not None else None, tuple(a[4]), tuple(a[5])))
+    return real(program, *a, **k)
+
+  monkeypatch.setattr(speculative, "speculative_jit", recording)
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), in_program_costs=True)
+  program, args = measured_program(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                                   max_new_tokens=NEW, eos_id=1)
+  monkeypatch.setattr(speculative, "speculative_jit", real)
+  budgets = {NEW // 4, NEW}
+  assert {c[0] for c in calls} == {0, 1, 2, 4, 8}
+  assert {c[1] for c in calls} == {(b, b) for b in budgets}
+  assert {c[2] for c in calls} == {(adaptive.in_program.NO_EOS,)}  # no EOS
+  table = adaptive.run_costs(program, args[0].shape)
+  target_W = np.asarray(table.target_W)
+  assert np.all(np.isfinite(target_W)) and np.all(target_W > 0)
+  assert np.all(np.diff(target_W) >= 0)
+  assert np.all(target_W < 0.5)  # timed, not the start-up table's whole seconds
+  assert np.array_equal(table.verify_G1, cost_of_lengths(program.adaptive.widths, target_W))
+  assert np.array_equal(table.drafting_G, program.adaptive.cost_table.drafting_G)
+  assert int(table.force) == -1
+  compiled = speculative_jit._cache_size()
+  out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                  max_new_tokens=NEW, eos_id=1)
+  assert speculative_jit._cache_size() == compiled  # the executable it timed
+  assert np.array_equal(out.tokens, generate(model, params, *prompts, max_new_tokens=NEW,
+                                             eos_id=1).tokens)
+  alone, alone_args = measured_program(
+      model, params, drafter, draft_params, *prompts, max_new_tokens=NEW, eos_id=1,
+      gamma=dataclasses.replace(cfg, in_program_costs=False))
+  assert adaptive.run_costs(alone, alone_args[0].shape) is None
+
+
 def test_undrafted_rounds_when_drafting_never_pays(stories, story_prompts):
   model, params = stories
   prompts = pad_prompts(story_prompts[:2], width=12)

@@ -36,8 +36,9 @@ tests/test_adaptive.py checks this with the distribution test, and keeps two lea
 
 Modules: `config` (widths, rules, the cost table's shape), `planning` (what a round decides,
 from past rounds only), `rounds` (the chain and tree round functions), `program` (programs
-that run them), `costs` (timing the cost table at start-up), `cost_store` (measured tables
-kept on disk for later processes: `keep_cost_tables`).
+that run them), `costs` (timing the cost table at start-up), `in_program` (timing it again
+in the executable that runs it, whose argument it is), `cost_store` (measured tables kept on
+disk for later processes: `keep_cost_tables`).
 """
 
 from spec_jax.adaptive.config import (DEFAULT_GAMMA_MAX, AdaptiveConfig, AdaptiveRules,
@@ -55,6 +56,7 @@ from spec_jax.adaptive.program import (adaptive_program_class, configure,
 from spec_jax.adaptive.cost_store import keep_cost_tables
 from spec_jax.adaptive.costs import (LOOP_PASSES, MEASURE_SECONDS, measure_costs, timing_plan,
                                      with_measured_costs)
+from spec_jax.adaptive.in_program import measure_in_program, run_costs
 
 __all__ = [
     "adaptive_program_class",
@@ -80,6 +82,8 @@ __all__ = [
     "keeping_draft_state",
     "LOOP_PASSES",
     "measure_costs",
+    "measure_in_program",
+    "run_costs",
     "MEASURE_SECONDS",
     "planned_drafts",
     "probe_due",

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.core.errors import is_int
@@ -182,6 +183,13 @@ class AdaptiveConfig:
   # as a single chunk. A capped stretch keeps the drafter in step, as final_draft_state does
   # (the next round decides again), and stretches that a cap split add up to the same wait.
   max_stretch: int | None = None
+  # Where `speculate` measures the table (target_costs None), True: after the start-up table
+  # has shaped the program, time each width again in the program's own executable and run
+  # with that table, passed as the program's argument (in_program.measure_in_program). Off
+  # by default: on the built-in pair it moved `auto` by -2% to +4% with the draft model and
+  # cost it 9% with lookup + draft model (docs/adaptive_log.md, stop 56), for seconds more
+  # start-up.
+  in_program_costs: bool = False
 
   @property
   def keeps_drafter_in_step(self) -> bool:
@@ -240,24 +248,37 @@ class AdaptiveConfig:
 
 
 class CostTable(NamedTuple):
-  """A chain round's costs, in seconds (numpy, static: part of the compiled program)."""
-  target_W: np.ndarray  # [W] a target pass at each compiled width (widths[0] == 1: a step)
-  verify_G1: np.ndarray  # [G + 1] the pass that verifies k = 0..G drafts (cost_of_lengths)
-  drafting_G: np.ndarray  # [G] a propose that makes m = 1..G drafts (drafting_costs)
+  """A chain round's costs, in seconds. Static (numpy: AdaptiveConfig.cost_table, which the
+  program's static decisions read: whether it can ever draft, its probe spacing) or an
+  argument of the program (jax arrays, with `force`: what its rounds plan from, carried in
+  AdaptiveStats.costs; `arguments` makes one), so a table timed in the executable that runs
+  it is not a new program."""
+  target_W: Any  # [W] a target pass at each compiled width (widths[0] == 1: a step)
+  verify_G1: Any  # [G + 1] the pass that verifies k = 0..G drafts (cost_of_lengths)
+  drafting_G: Any  # [G] a propose that makes m = 1..G drafts (drafting_costs)
+  # [] int32, in an argument only: -1 the rounds plan freely; 0 they run one plain stretch
+  # to the end; k >= 1 every round drafts and verifies k on every active row (the timing of
+  # a width in the executable itself: costs.measure_in_program)
+  force: Any = None
+
+  def arguments(self, force: int = -1) -> "CostTable":
+    """This table as the program's argument (host numpy: no device op per call)."""
+    return CostTable(*(np.asarray(x, np.float32) for x in self[:3]), np.int32(force))
 
   @property
   def plain(self) -> float:
     return float(self.verify_G1[0])
 
   @property
-  def primary_drafting_G(self) -> np.ndarray:
+  def primary_drafting_G(self):
     """[G] for a drafter with sources (Drafter.has_sources), a round whose rows all take the
     primary: lookup's search and the secondary's catch-up, whatever m. Priced as the
     secondary's first-draft propose (the table's m = 1 point, timed on the secondary: its
     window pass and one draft read from it). The resynced draft model defers that catch-up
     to its next pass (one wider window for several such rounds), so this charges the round
     the feed it defers, and on a small draft model more than its share of that pass."""
-    return np.full_like(self.drafting_G, self.drafting_G[0])
+    xp = np if isinstance(self.drafting_G, np.ndarray) else jnp
+    return xp.full_like(self.drafting_G, self.drafting_G[0])
 
   @property
   def rounds_G(self) -> np.ndarray:

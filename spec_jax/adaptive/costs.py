@@ -16,6 +16,7 @@ import numpy as np
 
 from spec_jax.adaptive import cost_store
 from spec_jax.adaptive.config import drafting_costs
+from spec_jax.adaptive.in_program import measure_in_program
 from spec_jax.adaptive.program import configure
 from spec_jax.adaptive.rounds import AdaptiveRound
 from spec_jax.core.pytree_names import params_signature
@@ -241,7 +242,9 @@ def _compiled_at_once(runs):
 
 def with_measured_costs(program, params, draft_params, args, signatures=None):
   """The program with its cost table measured, unless the config already supplies one
-  (signatures: as measure_costs)."""
+  (signatures: as measure_costs): the start-up table shapes the program (its static
+  decisions) and, with AdaptiveConfig.in_program_costs, the table it runs with is then timed
+  in its executable (in_program.measure_in_program; engine.speculate passes it)."""
   cfg = getattr(program, "adaptive", None)
   if cfg is None or cfg.target_costs is not None:
     return program
@@ -252,7 +255,10 @@ def with_measured_costs(program, params, draft_params, args, signatures=None):
                   "this program has the default table, not the one speculate would measure "
                   "and run (pass an AdaptiveConfig with target_costs)", stacklevel=3)
     return program
-  return _with_costs(program, *measured)
+  program = _with_costs(program, *measured)
+  if cfg.in_program_costs:  # the table it runs with, timed in its own executable
+    measure_in_program(program, params, draft_params, args, signatures)
+  return program
 
 
 class _AbstractParams(ValueError):

@@ -28,11 +28,14 @@ def _adaptive_program_class():
     adaptive: AdaptiveConfig | None = None
     __hash__ = SpeculativeProgram.__hash__  # (a dataclass would generate one hashing each call)
 
-    def initial_stats(self, batch: int) -> AdaptiveStats:
+    def initial_stats(self, batch: int, costs=None) -> AdaptiveStats:
+      """costs: the cost table the rounds plan from, an argument of the program (CostTable
+      of arrays; None: the config's, static, compiled in). A tree plans from the config's."""
       r = self.adaptive.rules
       return AdaptiveStats.zeros(batch, self.gamma, self.adaptive.widths, r.initial_gamma,
                                  r.prior, self.probe_every, self.adaptive.tree_nodes,
-                                 sources=self.drafter.has_sources)
+                                 sources=self.drafter.has_sources,
+                                 costs=None if self.drafter.is_tree else costs)
 
     @property
     def probe_every(self) -> int:
@@ -70,7 +73,7 @@ def _adaptive_program_class():
       return self.round_fn
 
     def init_drafter(self, draft_params, prompt, metrics, *, remaining_tokens_B,
-                     target_logits_BPV):
+                     target_logits_BPV, costs=None):
       """The drafter's state and the initial statistics (in metrics.adaptive).
 
       A drafter that skips rounds is not read in a plain stretch to the end; where the
@@ -83,7 +86,7 @@ def _adaptive_program_class():
       drafter's prefill also says what it would have drafted first after each of the
       prompt's last positions, and the target's logits there what the target chose."""
       batch = prompt.tokens_BP.shape[0]
-      stats = self.initial_stats(batch)
+      stats = self.initial_stats(batch, costs)
       init = functools.partial(self.drafter.init, draft_params)
       with_stats = lambda s: metrics.replace(adaptive=s)
       if self.drafts_never(batch):

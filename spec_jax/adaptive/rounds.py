@@ -59,9 +59,10 @@ class AdaptiveRound:
     the loop runs it; with AdaptiveRound(forced=True)): draft and verify that many on every
     row whatever the plan says, the plan still computed (so its cost is timed: a where, not
     a replacement, keeps it alive)."""
-    cfg, rules = self.config, self.config.rules
+    rules = self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
-    table = cfg.cost_table
+    table = self.costs_of(stats)
+    force = table.force  # None: no forcing compiled in; else a width timed in this program
     step = functools.partial(self.step, target, drafter, gamma, sampling, verifier, params,
                              draft_params, lengths_B, budget_B, eos_id)
     # a row can emit budget - generated more tokens, one of them the target's own: drafts
@@ -76,7 +77,7 @@ class AdaptiveRound:
     if drafter.has_sources:  # see sourced_plan
       primary_B, view, drafting_G, until = self.sourced_plan(drafter, sampling, eos_id,
                                                              draft_params, s, remaining_B,
-                                                             budget_B, probe_every)
+                                                             budget_B, probe_every, force)
       if self.forced:  # timed as propose_for_timing is: the model on every row
         primary_B, view = jnp.zeros_like(primary_B), stats
         drafting_G = jnp.asarray(table.drafting_G)
@@ -89,6 +90,8 @@ class AdaptiveRound:
       primary_G = jnp.asarray(table.primary_drafting_G)
       alone = until.alone(stats, primary_B, remaining_B, watch)
       lookup_only = ~plan.drafts & alone.drafts & jnp.any(primary_B & ~s.done_B)
+      if force is not None:
+        lookup_only &= force < 0
       plan = plan._replace(drafts=plan.drafts | lookup_only,
                            size=jnp.where(lookup_only, alone.size, plan.size))
       drafting_G = jnp.where(lookup_only, primary_G, drafting_G)
@@ -96,13 +99,17 @@ class AdaptiveRound:
       forced = force_drafts >= 0  # (always: traced, so the plan stays alive)
       plan = plan._replace(drafts=forced | plan.drafts,
                            size=jnp.where(forced, force_drafts, plan.size))
+    if force is not None:  # a timing of this executable: force drafts, or none at all
+      plan = plan._replace(drafts=jnp.where(force < 0, plan.drafts, force > 0),
+                           probe=plan.probe & (force < 0),
+                           size=jnp.where(force > 0, force, plan.size))
     # a drafted round reads and writes each row's record of the source it drafts from
     source_B = None if primary_B is None else primary_B & plan.drafts
 
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                                 jnp.asarray(table.verify_G1), plan.probe, plan.size, s,
-                                useful_B=useful_B, primary_B=primary_B,
+                                useful_B=useful_B, primary_B=primary_B, force=force,
                                 secondary_off=None if primary_B is None else
                                 lookup_only | jnp.all(primary_B | s.done_B))
 
@@ -150,7 +157,7 @@ class AdaptiveRound:
     return cond_in_place(jnp.any(other_B), learn, lambda n: n, new)
 
   def sourced_plan(self, drafter: Drafter, sampling, eos_id, draft_params, s, remaining_B,
-                   budget_B, probe_every: int):
+                   budget_B, probe_every: int, force=None):
     """For a drafter with two sources (Drafter.has_sources: lookup where it matches, else a
     model), what the round plans from -> (primary_B, the stats each row reads, the drafting
     costs, until).
@@ -163,9 +170,10 @@ class AdaptiveRound:
     the built-in draft model below lookup alone (1.12x against 1.33x on its 6 code prompts).
     until (Sources): among others, whether a round in which only the rows that copy draft
     would pay at a state: a plain stretch ends there, so a match that appears during it is
-    drafted from at once, not at the next probe."""
+    drafted from at once, not at the next probe. force (CostTable.force): where >= 0, no row
+    takes the primary (a timed round drafts from the model, as measure_costs' do)."""
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
-    table = self.config.cost_table
+    table = self.costs_of(s.metrics.adaptive)
 
     verify_G = jnp.asarray(table.verify_G1[1:])
 
@@ -192,6 +200,8 @@ class AdaptiveRound:
 
     stats: AdaptiveStats = s.metrics.adaptive
     primary_B = rows(s)
+    if force is not None:
+      primary_B &= force < 0
     everywhere = stats.with_source(jnp.ones_like(primary_B))
     primary_pays = self.plan(everywhere, remaining_B, watch=True, probe_every=probe_every,
                              drafting_G=jnp.asarray(table.primary_drafting_G)).drafts
@@ -223,6 +233,12 @@ class AdaptiveRound:
     return (self.config.rules.hindsight and drafter.has_hindsight and sampling.is_greedy
             and not self.forced)
 
+  def costs_of(self, stats: AdaptiveStats):
+    """The cost table a round plans from: the program's argument, carried in the stats
+    (AdaptiveStats.costs), else the config's (static). Static decisions (probe spacing, can
+    drafting ever pay, catch-ups' price) read the config's alone."""
+    return self.config.cost_table if stats.costs is None else stats.costs
+
   def catch_up_cost(self, drafter: Drafter) -> float:
     """What a drafter that skips rounds pays to catch up after plain steps (charged as a
     propose of gamma_max drafts); 0 for the others."""
@@ -247,16 +263,16 @@ class AdaptiveRound:
     round's (probe_every(); None: the rules'). drafting_G: what drafting m costs this round
     (None: the table's; sourced_plan's for a drafter with sources)."""
     rules = self.config.rules
-    table = self.config.cost_table
+    static, table = self.config.cost_table, self.costs_of(stats)
     # no probes where even drafts that were all accepted could not beat a plain step: the
     # cost table alone (static) rules drafting out, and probing would only pay for drafts
-    can_probe = drafting_can_pay(table.verify_G1, table.drafting_G)
-    last_probe = probe_window(rules, table.plain, np.max(table.rounds_G), probe_every)
+    can_probe = drafting_can_pay(static.verify_G1, static.drafting_G)
+    last_probe = probe_window(rules, static.plain, np.max(static.rounds_G), probe_every)
     probe = (jnp.bool_(False) if watch else
              probe_due(stats, remaining_B, last_probe, can_probe))
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
                              remaining_B > 0, jnp.asarray(table.verify_G1),
-                             table.drafting_G if drafting_G is None else drafting_G,
+                             jnp.asarray(table.drafting_G) if drafting_G is None else drafting_G,
                              rules, probe, remaining_B)
     return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
 
@@ -390,6 +406,8 @@ class AdaptiveRound:
     stats: AdaptiveStats = s.metrics.adaptive
     n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
                        last_probe, can_probe)
+    if stats.costs is not None and stats.costs.force is not None:  # timing plain steps
+      n = jnp.where(stats.costs.force == 0, _TO_THE_END, n)
     zeros_B = jnp.zeros_like(s.pending_B)
     if drafter.skips_rounds:
       return self.plain_stretch(target, drafter, gamma, sampling, params, draft_params,
@@ -625,11 +643,13 @@ class AdaptiveRound:
 
   def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                     cost_G1, probe, planned, s, useful_B=None, primary_B=None,
-                    secondary_off=None):
+                    secondary_off=None, force=None):
     """Drafts up to `planned`, admits a prefix per row (at most useful_B: drafts its budget
     could keep), verifies at the width the scheduler picks. primary_B: a drafter with
     sources' rows that draft from the primary (sourced_plan); secondary_off ([] bool): the
-    other rows draft nothing this round (admitted 0; not counted as misses)."""
+    other rows draft nothing this round (admitted 0; not counted as misses). force
+    (CostTable.force, traced): where > 0, every active row verifies `planned` whatever the
+    rules said (as AdaptiveRound(forced=True) does statically)."""
     cfg, rules = self.config, self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     from spec_jax.speculative import round_inputs  # speculative.py imports this module lazily
@@ -678,6 +698,7 @@ class AdaptiveRound:
     admitted_B = jnp.minimum(admitted_B, k)
     if self.forced:  # (still a function of the rules' lengths: their cost is timed too)
       admitted_B = jnp.where(active_B, jnp.maximum(jnp.minimum(admitted_B, planned), planned), 0)
+    forcing = jnp.bool_(self.forced) if force is None else force > 0
     # propose's state rides in the carry, so the branches commit it in place (closed over,
     # it would be a loop invariant that each branch copies to return)
     def branch(width):
@@ -686,7 +707,9 @@ class AdaptiveRound:
 
     # 0, a plain step, when no row admits a draft; a forced round verifies `planned` even
     # once every row is done (a timed call whose rows all finish would time plain steps)
-    w_idx = width_index(cfg.widths, planned if self.forced else jnp.max(admitted_B))
+    if force is not None:
+      admitted_B = jnp.where(forcing, jnp.where(active_B, planned, 0), admitted_B)
+    w_idx = width_index(cfg.widths, jnp.where(forcing, planned, jnp.max(admitted_B)))
     new, num_accepted_B = switch_in_place(
         w_idx, [branch(w) for w in cfg.widths],
         (s.replace(draft_state=draft_state), jnp.zeros_like(s.pending_B)))
