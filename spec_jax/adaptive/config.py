@@ -186,7 +186,7 @@ class AdaptiveConfig:
   # Where `speculate` measures the table (target_costs None), True: after the start-up table
   # has shaped the program, time each width again in the program's own executable and run
   # with that table, passed as the program's argument (in_program.measure_in_program). Off
-  # by default: on the built-in pair it moved `auto` by -2% to +4% with the draft model and
+  # by default: on the built-in pair it moved `auto` by +4%, -2%, +5% with the draft model and
   # cost it 9% with lookup + draft model (docs/adaptive_log.md, stop 56), for seconds more
   # start-up.
   in_program_costs: bool = False
