@@ -100,7 +100,9 @@ def lower(target, params, drafter, draft_params, prompt_tokens_BP, prompt_length
   """The lowered program `speculate` would run with these arguments (settings as there):
   `.compile()` it ahead of time, or read `.as_text()`. gamma="auto" without a cost table:
   the table is measured here as `speculate` measures it (the table is part of the program),
-  so this compiles and times a few small programs first; with abstract params
+  so this compiles and times a few small programs first (and, with
+  AdaptiveConfig.in_program_costs, compiles and times this program itself, then lowers it
+  with that table as its argument); with abstract params
   (jax.ShapeDtypeStruct) nothing can be timed, and the program keeps the default table,
   with a warning (pass an AdaptiveConfig with target_costs to lower the one you will run)."""
   program, args = measured_program(target, params, drafter, draft_params, prompt_tokens_BP,

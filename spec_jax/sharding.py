@@ -469,8 +469,9 @@ def prepare_speculative(target, params, drafter, draft_params, prompt_tokens_BP,
       max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, key=key,
       budgets_B=budgets_B, pad_id=pad_id, cache_len=cache_len, verifier=verifier)
   if config is not None:
+    # (the start-up table alone: the sharded executable is not the one in_program times)
     unsharded = adaptive.with_measured_costs(adaptive.configure(unsharded, config), params,
-                                             draft_params, host_args)
+                                             draft_params, host_args, time_in_program=False)
     if final_draft_state:
       unsharded = adaptive.keeping_draft_state(unsharded)
   inputs, key_impl = _place_inputs(mesh, rules, *host_args)

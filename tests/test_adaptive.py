@@ -470,17 +470,20 @@ def test_one_compile_every_width_reached(stories, story_prompts):
   assert (hist > 0).all(), hist
 
 
-def test_the_cost_table_is_an_argument_of_the_program(stories, story_prompts):
+@pytest.mark.parametrize("kind", ["draft_model", "lookup+draft_model"])
+def test_the_cost_table_is_an_argument_of_the_program(stories, story_prompts, kind):
   """An `auto` program's rounds plan from a table passed to it (CostTable.arguments): another
   table is another argument, not another compile, and changes what the rounds do. Its
   `force` makes every round verify that many drafts on every row (each width reached), or
   (0) runs one plain stretch to the end: what measure_in_program times. Greedy output
-  equals generate's under every table."""
+  equals generate's under every table. (A combination's forced rounds draft from its model.)"""
   from spec_jax.adaptive import CostTable
   model, params = stories
   prompts = pad_prompts(story_prompts[:2], width=12)
   ref = generate(model, params, *prompts, max_new_tokens=NEW)
-  drafter, draft_params = DraftModelDrafter(model), perturbed(params, 0.15, seed=1)
+  drafter, draft_params = make_drafter(kind, model, params, draft_model=model,
+                                       draft_params=perturbed(params, 0.15, seed=1),
+                                       max_ngram=2)
   program, args = prepare_program(model, drafter, *prompts, gamma=config(), max_new_tokens=NEW)
   static = program.adaptive.cost_table  # FLAT: drafting is free
 
@@ -520,9 +523,10 @@ def test_the_table_is_timed_in_the_executable_that_runs(stories, story_prompts, 
   prompts = pad_prompts(story_prompts[:2], width=12)
   drafter, draft_params = DraftModelDrafter(model), perturbed(params, 0.15, seed=1)
   monkeypatch.setattr(adaptive.in_program, "_MEASURED", {})
-  # a start-up table under which drafting can pay (a program that never drafts is not timed)
+  # a start-up table under which drafting can pay (a program that never drafts is not timed),
+  # with drafting priced at nearly nothing: the timed rounds are then the table's entries
   monkeypatch.setattr(adaptive.costs, "measure_costs",
-                      lambda *a, **k: ((1.0, 1.1, 1.2, 1.3, 1.5), 0.1, 0.05))
+                      lambda *a, **k: ((1.0, 1.1, 1.2, 1.3, 1.5), 1e-7, 1e-7))
   calls = []
   real = speculative.speculative_jit
 
@@ -544,6 +548,7 @@ def test_the_table_is_timed_in_the_executable_that_runs(stories, story_prompts, 
   assert np.all(np.isfinite(target_W)) and np.all(target_W > 0)
   assert np.all(np.diff(target_W) >= 0)
   assert np.all(target_W < 0.5)  # timed, not the start-up table's whole seconds
+  assert target_W[-1] > 1.5 * target_W[0]  # 8 drafts and a 9-token pass: dearer than a step
   assert np.array_equal(table.verify_G1, cost_of_lengths(program.adaptive.widths, target_W))
   assert np.array_equal(table.drafting_G, program.adaptive.cost_table.drafting_G)
   assert int(table.force) == -1

@@ -258,7 +258,7 @@ class CostTable(NamedTuple):
   drafting_G: Any  # [G] a propose that makes m = 1..G drafts (drafting_costs)
   # [] int32, in an argument only: -1 the rounds plan freely; 0 they run one plain stretch
   # to the end; k >= 1 every round drafts and verifies k on every active row (the timing of
-  # a width in the executable itself: costs.measure_in_program)
+  # a width in the executable itself: in_program.measure_in_program)
   force: Any = None
 
   def arguments(self, force: int = -1) -> "CostTable":

@@ -240,11 +240,13 @@ def _compiled_at_once(runs):
   return [functools.partial(compiled[run.func], *run.args) for run in runs]
 
 
-def with_measured_costs(program, params, draft_params, args, signatures=None):
+def with_measured_costs(program, params, draft_params, args, signatures=None, *,
+                        time_in_program: bool = True):
   """The program with its cost table measured, unless the config already supplies one
   (signatures: as measure_costs): the start-up table shapes the program (its static
   decisions) and, with AdaptiveConfig.in_program_costs, the table it runs with is then timed
-  in its executable (in_program.measure_in_program; engine.speculate passes it)."""
+  in its executable (in_program.measure_in_program; engine.speculate passes it).
+  time_in_program=False: never (a caller that runs another executable: sharding)."""
   cfg = getattr(program, "adaptive", None)
   if cfg is None or cfg.target_costs is not None:
     return program
@@ -256,7 +258,7 @@ def with_measured_costs(program, params, draft_params, args, signatures=None):
                   "and run (pass an AdaptiveConfig with target_costs)", stacklevel=3)
     return program
   program = _with_costs(program, *measured)
-  if cfg.in_program_costs:  # the table it runs with, timed in its own executable
+  if cfg.in_program_costs and time_in_program:  # the table it runs with, timed there
     measure_in_program(program, params, draft_params, args, signatures)
   return program
 

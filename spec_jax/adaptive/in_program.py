@@ -101,7 +101,9 @@ def measure_in_program(program, params, draft_params, args, signatures=None,
     outs = [jax.block_until_ready(thunk()) for thunk in pair]
     rounds.append([int(out.metrics.rounds) for out in outs])
     once.append(sum(_seconds(thunk) for thunk in pair))
-  repeats = int(max(min(3, repeats), min(repeats, IN_PROGRAM_SECONDS // max(sum(once), 1e-9))))
+  # (each repeat calls every run twice: warm, then timed)
+  repeats = int(max(min(3, repeats),
+                    min(repeats, IN_PROGRAM_SECONDS // max(2 * sum(once), 1e-9))))
   best = [[math.inf, math.inf] for _ in runs]
   for _ in range(repeats):
     for i, pair in enumerate(runs):

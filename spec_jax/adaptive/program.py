@@ -96,6 +96,11 @@ def _adaptive_program_class():
       never = jnp.bool_(False)
       if not self.adaptive.keeps_drafter_in_step:
         never = self.round_fn.never_drafts(stats, remaining_tokens_B, self.probe_every)
+      if costs is not None and costs.force is not None:
+        # a timed run (in_program): force 0 never drafts, a forced width always does,
+        # whatever its budget (a short one would otherwise skip the prefill that a long
+        # one pays, and charge it to the long run's rounds)
+        never = jnp.where(costs.force < 0, never, costs.force == 0)
       look = self.prompt_look(draft_params, prompt, target_logits_BPV)
       if look is None:
         state = cond_in_place(never, lambda state: state, lambda _: init(prompt),
