@@ -186,9 +186,8 @@ class AdaptiveConfig:
   # Where `speculate` measures the table (target_costs None), True: after the start-up table
   # has shaped the program, time each width again in the program's own executable and run
   # with that table, passed as the program's argument (in_program.measure_in_program). Off
-  # by default: on the built-in pair it moved `auto` by +4%, -2%, +5% with the draft model and
-  # cost it 9% with lookup + draft model (docs/adaptive_log.md, stop 56), for seconds more
-  # start-up.
+  # by default: on the built-in pair it moved `auto` by a few percent either way (within a
+  # process's spread; docs/adaptive_log.md, stop 56), for seconds more start-up.
   in_program_costs: bool = False
 
   @property

@@ -58,8 +58,7 @@ def measure_in_program(program, params, draft_params, args, signatures=None,
   drafting (the start-up table's, which planned_drafts adds back), so a round of w - 1
   drafts is charged exactly what it was timed at. That split is attributed, not timed: a
   drafter with sources drafts from its model in a forced round, so its primary's (lookup's)
-  rounds are charged the model's extra cost as verification (stop 56: lookup + the built-in
-  draft model lost 9% with this table). Each run is timed on its second call in a row, the
+  rounds are charged any extra cost of the model's drafting as verification. Each run is timed on its second call in a row, the
   fastest of up to IN_PROGRAM_REPEATS repeats taken in turn. Cached per program and prompt
   shape (and on disk with keep_cost_tables)."""
   from spec_jax.speculative import passed_draft_params, speculative_jit  # (imports adaptive)
