@@ -58,9 +58,9 @@ def measure_in_program(program, params, draft_params, args, signatures=None,
   drafting (the start-up table's, which planned_drafts adds back), so a round of w - 1
   drafts is charged exactly what it was timed at. That split is attributed, not timed: a
   drafter with sources drafts from its model in a forced round, so its primary's (lookup's)
-  rounds are charged any extra cost of the model's drafting as verification. Each run is timed on its second call in a row, the
-  fastest of up to IN_PROGRAM_REPEATS repeats taken in turn. Cached per program and prompt
-  shape (and on disk with keep_cost_tables)."""
+  rounds are charged any extra cost of the model's drafting as verification. Each run is
+  timed on its second call in a row, the fastest of up to IN_PROGRAM_REPEATS repeats taken
+  in turn. Cached per program and prompt shape (and on disk with keep_cost_tables)."""
   from spec_jax.speculative import passed_draft_params, speculative_jit  # (imports adaptive)
   cfg = program.adaptive
   tokens_BP, lengths_B, _, eos_E, pad, key = args
@@ -147,7 +147,8 @@ def _target_costs(widths, static: CostTable, round_seconds) -> tuple[float, ...]
 
 def _table(cfg, static: CostTable, target_W) -> CostTable:
   target_W = np.asarray(target_W, np.float32)
-  return CostTable(target_W, cost_of_lengths(cfg.widths, target_W), static.drafting_G).arguments()
+  verify_G1 = cost_of_lengths(cfg.widths, target_W)
+  return CostTable(target_W, verify_G1, static.drafting_G).arguments()
 
 
 def _seconds(thunk) -> float:
