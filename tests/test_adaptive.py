@@ -93,8 +93,8 @@ def test_measured_costs_are_cached_per_params_dtypes(small_pair, monkeypatch):
   from spec_jax.core.quantize import quantize_params
   target, tp, draft_model, dp = small_pair
   timed = []
-  real = adaptive.costs._interleaved_seconds
-  monkeypatch.setattr(adaptive.costs, "_interleaved_seconds",
+  real = adaptive.timing.fastest_in_turn
+  monkeypatch.setattr(adaptive.timing, "fastest_in_turn",
                       lambda thunks, repeats: timed.extend(thunks) or real(thunks, repeats))
   monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
@@ -117,7 +117,7 @@ def test_measured_target_costs_never_fall_with_width(small_pair, monkeypatch):
   monkeypatch.setattr(adaptive.costs, "timing_plan",
                       lambda one, repeats, none: ([2] * len(one), 1))
   # two passes a call, then each call of none (what a call costs besides its passes)
-  monkeypatch.setattr(adaptive.costs, "_interleaved_seconds",
+  monkeypatch.setattr(adaptive.timing, "fastest_in_turn",
                       lambda thunks, repeats: [t * 2 + 0.25 for t in timings] + [0.25] * 6)
   monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
   program, args = prepare_program(target, DraftModelDrafter(draft_model), *pad_prompts([[1, 2]]),
@@ -158,8 +158,8 @@ def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, m
 
   def no_timing(thunks, repeats):
     raise AssertionError("timed a table that was stored")
-  real_timing = adaptive.costs._interleaved_seconds
-  monkeypatch.setattr(adaptive.costs, "_interleaved_seconds", no_timing)
+  real_timing = adaptive.timing.fastest_in_turn
+  monkeypatch.setattr(adaptive.timing, "fastest_in_turn", no_timing)
   monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
   assert adaptive.measure_costs(program, tp, dp, args) == measured
 
@@ -169,7 +169,7 @@ def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, m
                        (json.dumps({**data, "key": "other"}), "it was written for another program")]:
     stored.write_text(broken)
     monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
-    monkeypatch.setattr(adaptive.costs, "_interleaved_seconds", real_timing)
+    monkeypatch.setattr(adaptive.timing, "fastest_in_turn", real_timing)
     capsys.readouterr()
     costs, draft, first = adaptive.measure_costs(program, tp, dp, args)
     assert f"ignoring the stored cost table {stored} ({says}" in capsys.readouterr().err

@@ -37,8 +37,8 @@ tests/test_adaptive.py checks this with the distribution test, and keeps two lea
 Modules: `config` (widths, rules, the cost table's shape), `planning` (what a round decides,
 from past rounds only), `rounds` (the chain and tree round functions), `program` (programs
 that run them), `costs` (timing the cost table at start-up), `in_program` (timing it again
-in the executable that runs it, whose argument it is), `cost_store` (measured tables kept on
-disk for later processes: `keep_cost_tables`).
+in the executable that runs it, whose argument it is), `timing` (what both time with),
+`cost_store` (measured tables kept on disk for later processes: `keep_cost_tables`).
 """
 
 from spec_jax.adaptive.config import (DEFAULT_GAMMA_MAX, AdaptiveConfig, AdaptiveRules,

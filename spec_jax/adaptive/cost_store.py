@@ -80,6 +80,16 @@ def stable_key(parts: tuple) -> str | None:
   return repr((VERSION, _source_hash(), machine, tuple(names), text))
 
 
+def params_key(parts: tuple, params) -> str | None:
+  """stable_key of parts and where params live (their first leaf's sharding: a table timed
+  on one placement is not another's), or None where no folder is set."""
+  if _FOLDER[0] is None:
+    return None
+  first_leaf = jax.tree_util.tree_leaves(params)[:1]
+  placement = repr(getattr(first_leaf[0], "sharding", None)) if first_leaf else None
+  return stable_key(parts + (placement,))
+
+
 def _function_names(obj, names: list, seen: set, depth: int = 0) -> None:
   """module.qualname of each function reachable through dataclass fields, tuples, lists and
   partials (a function's repr names neither its module nor, for a closure, what it holds)."""

@@ -7,14 +7,13 @@ import dataclasses
 import functools
 import itertools
 import math
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.adaptive import cost_store
+from spec_jax.adaptive import cost_store, timing
 from spec_jax.adaptive.config import drafting_costs
 from spec_jax.adaptive.in_program import measure_in_program
 from spec_jax.adaptive.program import configure
@@ -44,37 +43,10 @@ def timing_plan(pass_seconds: list[float], repeats: int,
   table takes seconds, not the quarter of an hour 16 passes x 6 calls x 5 widths would."""
   passes = [int(min(LOOP_PASSES, max(1, math.ceil(CALL_SECONDS / max(t, 1e-9)))))
             for t in pass_seconds]
-  # each thunk is called twice a repeat (_interleaved_seconds), with and without its passes
+  # each thunk is called twice a repeat (timing.fastest_in_turn), with and without its passes
   per_round = 2 * (sum(p * t for p, t in zip(passes, pass_seconds))
                    + 2 * sum(call_seconds or ()))
   return passes, int(max(1, min(repeats, MEASURE_SECONDS // max(per_round, 1e-9))))
-
-
-def _interleaved_seconds(thunks, repeats: int) -> list[float]:
-  """The fastest of `repeats` timings of each thunk, taken in turn (round robin; each thunk
-  compiled and warmed up by the caller), each timed on its second call in a row.
-
-  The table's decisions compare costs with each other (tokens per second of one plan
-  against another), so what matters is their ratios. Taking the thunks in turn puts a burst
-  of another process's load on all of them alike; the minimum is the estimate least moved
-  by such bursts (on this shared 2-core CPU one-off medians swung 1.2-1.6x). The first call
-  after another program's runs slow: on the built-in pair a call of 6 plain steps took
-  16.0 ms there against 11.0 ms called again, which put a plain step at 2.5 ms against the
-  1.6-1.8 ms the generation loop spends on one (and so drafting at 0.6-0.7 of its cost
-  relative to a plain step). The loop runs each kind of pass in runs (plain stretches,
-  drafted rounds), so the table times them warm."""
-  best = [math.inf] * len(thunks)
-  for _ in range(repeats):
-    for i, thunk in enumerate(thunks):
-      jax.block_until_ready(thunk())
-      best[i] = min(best[i], _seconds(thunk))
-  return best
-
-
-def _seconds(thunk) -> float:
-  t0 = time.perf_counter()
-  jax.block_until_ready(thunk())
-  return time.perf_counter() - t0
 
 
 def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
@@ -115,16 +87,12 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
                program.cache_len, cfg.widths, tokens_BP.shape, signatures)
   if cache_key in _MEASURED:
     return _MEASURED[cache_key]
-  disk_key = None
   # measured by an earlier process? (a shortened measurement is neither read nor stored)
-  if cost_store.cost_table_folder() is not None and repeats >= REPEATS:
-    first_leaf = jax.tree_util.tree_leaves(params)[:1]
-    placement = repr(getattr(first_leaf[0], "sharding", None)) if first_leaf else None
-    disk_key = cost_store.stable_key(cache_key + (placement,))
-    stored = cost_store.load(disk_key, len(cfg.widths))
-    if stored is not None:
-      _MEASURED[cache_key] = stored
-      return stored
+  disk_key = cost_store.params_key(cache_key, params) if repeats >= REPEATS else None
+  stored = cost_store.load(disk_key, len(cfg.widths))
+  if stored is not None:
+    _MEASURED[cache_key] = stored
+    return stored
   if not _concrete((params, draft_params)):  # (checked past the caches: not per call)
     raise _AbstractParams("params without values (e.g. jax.ShapeDtypeStruct): a cost table "
                           "cannot be timed")
@@ -194,12 +162,12 @@ def measure_costs(program, params, draft_params, args, repeats: int = REPEATS,
   one, none = [], []
   for run in runs:
     jax.block_until_ready(run(jnp.int32(1)))  # warm up
-    none.append(_seconds(functools.partial(run, jnp.int32(0))))
-    one.append(_seconds(functools.partial(run, jnp.int32(1))))
+    none.append(timing.seconds(functools.partial(run, jnp.int32(0))))
+    one.append(timing.seconds(functools.partial(run, jnp.int32(1))))
   passes, repeats = timing_plan([max(t - z, 0.0) for t, z in zip(one, none)], repeats, none)
   thunks = [functools.partial(run, jnp.int32(n)) for run, n in zip(runs, passes)]
   thunks += [functools.partial(run, jnp.int32(0)) for run in runs]
-  timed = _interleaved_seconds(thunks, repeats)
+  timed = timing.fastest_in_turn(thunks, repeats)
   # A call also copies the state it is given (the loop's carry cannot overwrite its
   # arguments) and dispatches: 28-30 ms a call at 64 rows on the built-in pair, where a
   # plain step costs 35 ms. Charged to a pass, it made a plain step look 1.8x as dear and

@@ -13,13 +13,11 @@ the table it then runs with is a new argument, not a new program.
 from __future__ import annotations
 
 import itertools
-import math
-import time
 
 import jax
 import numpy as np
 
-from spec_jax.adaptive import cost_store
+from spec_jax.adaptive import cost_store, timing
 from spec_jax.adaptive.config import CostTable, cost_of_lengths
 from spec_jax.core.pytree_names import params_signature
 from spec_jax.generate import NO_EOS
@@ -73,18 +71,16 @@ def measure_in_program(program, params, draft_params, args, signatures=None,
   if program.drafter.is_tree or program.drafts_never(batch) or big - small < MIN_TOKENS:
     return None
   static = cfg.cost_table
-  disk_key = None
+  disk_key = None  # (a shortened measurement is neither read nor stored)
   if cost_store.cost_table_folder() is not None and repeats >= IN_PROGRAM_REPEATS:
     if signatures is None:
       signatures = params_signature(params), params_signature(draft_params)
-    first_leaf = jax.tree_util.tree_leaves(params)[:1]
-    placement = repr(getattr(first_leaf[0], "sharding", None)) if first_leaf else None
-    disk_key = cost_store.stable_key(cache_key + (signatures, placement, "in_program"))
-    stored = cost_store.load(disk_key, len(cfg.widths))
-    if stored is not None:
-      table = _table(cfg, static, stored[0])
-      _MEASURED[cache_key] = table
-      return table
+    disk_key = cost_store.params_key(cache_key + (signatures, "in_program"), params)
+  stored = cost_store.load(disk_key, len(cfg.widths))
+  if stored is not None:
+    table = _table(cfg, static, stored[0])
+    _MEASURED[cache_key] = table
+    return table
   passed = passed_draft_params(params, draft_params)
   no_eos_E = np.full_like(eos_E, NO_EOS)
 
@@ -94,24 +90,18 @@ def measure_in_program(program, params, draft_params, args, signatures=None,
     return lambda: speculative_jit(program, params, passed, tokens_BP, lengths_B, budgets_B,
                                    no_eos_E, pad, key, costs, keep_state=False)[0]
 
-  runs = [(run(w - 1, small), run(w - 1, big)) for w in cfg.widths]
-  rounds, once = [], []
-  for pair in runs:  # (the first call compiles: the program speculate then runs)
-    outs = [jax.block_until_ready(thunk()) for thunk in pair]
-    rounds.append([int(out.metrics.rounds) for out in outs])
-    once.append(sum(_seconds(thunk) for thunk in pair))
+  thunks = [run(w - 1, budget) for w in cfg.widths for budget in (small, big)]
+  # (the first call compiles: the program speculate then runs)
+  rounds = [int(jax.block_until_ready(thunk()).metrics.rounds) for thunk in thunks]
+  once = sum(timing.seconds(thunk) for thunk in thunks)
   # (each repeat calls every run twice: warm, then timed)
   repeats = int(max(min(3, repeats),
-                    min(repeats, IN_PROGRAM_SECONDS // max(2 * sum(once), 1e-9))))
-  best = [[math.inf, math.inf] for _ in runs]
-  for _ in range(repeats):
-    for i, pair in enumerate(runs):
-      for j, thunk in enumerate(pair):
-        jax.block_until_ready(thunk())
-        best[i][j] = min(best[i][j], _seconds(thunk))
+                    min(repeats, IN_PROGRAM_SECONDS // max(2 * once, 1e-9))))
+  best = timing.fastest_in_turn(thunks, repeats)
   round_seconds = []
   charged = _round_costs(cfg.widths, static)  # (kept where too few rounds were timed)
-  for (t_small, t_big), (r_small, r_big), old in zip(best, rounds, charged):
+  for t_small, t_big, r_small, r_big, old in zip(best[::2], best[1::2], rounds[::2],
+                                                 rounds[1::2], charged):
     timed = r_big - r_small >= MIN_ROUNDS and t_big > t_small
     round_seconds.append((t_big - t_small) / (r_big - r_small) if timed else old)
   target_W = _target_costs(cfg.widths, static, round_seconds)
@@ -150,8 +140,3 @@ def _table(cfg, static: CostTable, target_W) -> CostTable:
   verify_G1 = cost_of_lengths(cfg.widths, target_W)
   return CostTable(target_W, verify_G1, static.drafting_G).arguments()
 
-
-def _seconds(thunk) -> float:
-  t0 = time.perf_counter()
-  jax.block_until_ready(thunk())
-  return time.perf_counter() - t0
