@@ -1350,6 +1350,64 @@ def test_a_look_in_hindsight_restarts_the_wait():
   assert int(plain(looked=jnp.bool_(True)).probe_interval) == 8  # the look grew it, not update
 
 
+def test_unverified_later_estimates_follow_the_first_drafts():
+  """AdaptiveStats.update(later_follow_first=True): in a drafted round, a later position the
+  row did not verify moves `forget` of the way towards the larger of the prior and the row's
+  first-draft estimate, so rounds of one draft accepted 95% of the time lift the later
+  estimates until a wider round pays (and is verified); a row whose first drafts fare worse
+  than the prior keeps the prior. False: towards the prior alone. Verified positions learn
+  as before either way."""
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
+  stats = stats.replace(estimate_BG=jnp.array([[0.95, 0.7, 0.7, 0.7], [0.3, 0.7, 0.7, 0.7]]))
+  kw = dict(learning_rate=0.3, schedule=False, probe_every=8, probe_growth=2, prior=0.7,
+            forget=0.05)
+  one_draft = lambda st, follow: st.update(
+      jnp.array([True, True]), jnp.array([1, 1]), jnp.array([1, 0]), 1, jnp.bool_(True),
+      jnp.bool_(False), later_follow_first=follow, **kw)
+  follow, alone = stats, stats
+  for _ in range(40):
+    follow, alone = one_draft(follow, True), one_draft(alone, False)
+  f, a = np.asarray(follow.estimate_BG), np.asarray(alone.estimate_BG)
+  np.testing.assert_allclose(f[:, 0], a[:, 0], rtol=1e-6)  # the verified first drafts
+  assert f[0, 0] > 0.99 and f[1, 0] < 0.01
+  assert np.all(f[0, 1:] > 0.9) and np.allclose(a[0, 1:], 0.7)  # lifted / held at the prior
+  np.testing.assert_allclose(f[1, 1:], 0.7, rtol=1e-6)  # worse first drafts: the prior
+  # a round that verifies a later position teaches it, whatever the rule
+  rejected = stats.update(jnp.array([True, True]), jnp.array([3, 3]), jnp.array([1, 1]), 2,
+                          jnp.bool_(True), jnp.bool_(False), later_follow_first=True, **kw)
+  np.testing.assert_allclose(np.asarray(rejected.estimate_BG)[:, 1], 0.7 * 0.7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("as_argument", [False, True])
+def test_a_record_of_first_drafts_that_pays_holds_the_wait(as_argument):
+  """AdaptiveRound.record_pays: some row still making tokens has a whole record of first
+  drafts whose acceptance rate beats a plain step with a round of one draft (here: the
+  round costs 1.6 plain steps, so the rate must pass 0.6); a watched stretch that found
+  nothing then does not grow the wait (AdaptiveRules.record_holds_wait). Read from the
+  program's argument table as from the static one."""
+  from spec_jax.adaptive.rounds import AdaptiveRound
+  from spec_jax.metrics import AdaptiveStats
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.4, 1.8, 2.4),
+                       draft_cost=0.8, first_draft_cost=0.2).resolved()
+  round_fn = AdaptiveRound(cfg)
+  assert float(cfg.cost_table.rounds_G[0]) == pytest.approx(1.6)
+
+  def pays(accepted, seen, remaining):
+    stats = AdaptiveStats.zeros(len(seen), 4, cfg.widths, 4, 0.7, 8,
+                                costs=cfg.cost_table.arguments() if as_argument else None)
+    stats = stats.replace(first_accepted_B=jnp.array(accepted, jnp.int32),
+                          first_seen_B=jnp.array(seen, jnp.int32))
+    return bool(round_fn.record_pays(stats, jnp.array(remaining, jnp.int32)))
+
+  assert pays([7], [10], [50])
+  assert not pays([5], [10], [50])
+  assert not pays([0], [0], [50])  # no record
+  assert not pays([10], [10], [1])  # a row whose last token is the target's own
+  assert pays([1, 9], [10, 10], [50, 50]) and not pays([1, 9], [10, 10], [50, 0])
+  assert AdaptiveRules().record_holds_wait and AdaptiveRules().later_follow_first
+
+
 def test_no_probe_when_the_budget_left_cannot_repay_it():
   """A probe is due after probe_interval idle rounds, but only while the slowest row still
   has probe_every dearest rounds' worth of plain steps to make (probe_window)."""

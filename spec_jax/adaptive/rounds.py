@@ -125,7 +125,8 @@ class AdaptiveRound:
         s, plan.drafts, plan.probe, drafted_round, plain_steps, schedule=rules.schedule,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every,
-        source_B=source_B)
+        source_B=source_B,
+        later_follow_first=rules.later_follow_first and drafter.hindsight_speaks_for_later_drafts)
     if primary_B is not None and watch:
       new = self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, new,
                                            plan.drafts & ~source_B)
@@ -306,6 +307,15 @@ class AdaptiveRound:
                            self.config.rules.give_up)
     return ~jnp.any((remaining_B > 1) & (upper_B > self.least_first))
 
+  def record_pays(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
+    """[] bool: some row that still has tokens to make has a whole record of first drafts
+    (verified, or guessed in hindsight) whose acceptance rate beats a plain step with a
+    round of one draft (AdaptiveRules.record_holds_wait). Past rounds only (lossless)."""
+    table = self.costs_of(stats)
+    break_even = table.rounds_G[0] / table.verify_G1[0] - 1.0
+    rate_B = stats.first_accepted_B / jnp.maximum(stats.first_seen_B, 1)
+    return jnp.any((remaining_B > 1) & (stats.first_seen_B > 0) & (rate_B > break_even))
+
   def give_up_if_hopeless(self, stats: AdaptiveStats, looked, remaining_B,
                           probe_every: int) -> AdaptiveStats:
     """stats with the longest wait before the next probe where `looked` ([] bool: a probe or
@@ -341,7 +351,7 @@ class AdaptiveRound:
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
                        round_cost, budget_B, probe_every: int, catch_up_cost=0.0,
-                       source_B=None):
+                       source_B=None, later_follow_first: bool = False):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B,
     looked), where looked ([] bool) says the round was a watched stretch that ended in a
@@ -361,7 +371,8 @@ class AdaptiveRound:
     8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x.
     probe_every: the round's (probe_every()). source_B ([B] bool, a drafter with sources):
     the rows whose drafted round reads and writes the primary's record (all False when the
-    round does not draft)."""
+    round does not draft). later_follow_first: AdaptiveStats.update's (a chain drafter whose
+    later drafts continue its first: Drafter.hindsight_speaks_for_later_drafts)."""
     rules = self.config.rules
     if source_B is not None:
       s = s.replace(metrics=s.metrics.replace(
@@ -381,7 +392,7 @@ class AdaptiveRound:
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
         empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising,
-        looked=looked)
+        looked=looked, later_follow_first=later_follow_first)
     if source_B is not None:  # back: the fields are the secondary's record again
       stats = stats.with_source(source_B)
     stats = self.give_up_if_hopeless(
@@ -546,12 +557,14 @@ class AdaptiveRound:
       # probe that was not promising: the wait before the next check grows as it would, and
       # restarts from this look (`looked`), as a probe's does
       stats = new.metrics.adaptive
+      remaining_B = remaining_tokens(new.done_B, new.num_generated_B, budget_B)
       grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
       found_nothing = (steps >= n) & ~pays
-      stats = stats.replace(probe_interval=jnp.where(found_nothing, grown, stats.probe_interval))
-      stats = self.give_up_if_hopeless(
-          stats, found_nothing, remaining_tokens(new.done_B, new.num_generated_B, budget_B),
-          probe_every)
+      grows = found_nothing
+      if rules.record_holds_wait:
+        grows &= ~self.record_pays(stats, remaining_B)
+      stats = stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
+      stats = self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
       new = new.replace(metrics=new.metrics.replace(adaptive=stats))
     new = new.replace(metrics=new.metrics.after_plain_steps(
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
