@@ -1381,31 +1381,69 @@ def test_unverified_later_estimates_follow_the_first_drafts():
 
 @pytest.mark.parametrize("as_argument", [False, True])
 def test_a_record_of_first_drafts_that_pays_holds_the_wait(as_argument):
-  """AdaptiveRound.record_pays: some row still making tokens has a whole record of first
-  drafts whose acceptance rate beats a plain step with a round of one draft (here: the
-  round costs 1.6 plain steps, so the rate must pass 0.6); a watched stretch that found
-  nothing then does not grow the wait (AdaptiveRules.record_holds_wait). Read from the
-  program's argument table as from the static one."""
-  from spec_jax.adaptive.rounds import AdaptiveRound
+  """AdaptiveRound.record_pays: the plan would draft at the rows' whole records of first
+  drafts (a row alone: its rate beats a plain step with a round of one draft, here 1.6
+  plain steps, so above 0.6; rows apart: the slowest row's finish decides). After a watched
+  stretch that found nothing, the wait grows only where it does not (after_watched_stretch,
+  AdaptiveRules.record_holds_wait). Read from the program's argument table where there is
+  one: one whose drafting is a quarter as dear makes a 0.5 record pay."""
+  from spec_jax.adaptive import CostTable
   from spec_jax.metrics import AdaptiveStats
   cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.4, 1.8, 2.4),
                        draft_cost=0.8, first_draft_cost=0.2).resolved()
-  round_fn = AdaptiveRound(cfg)
-  assert float(cfg.cost_table.rounds_G[0]) == pytest.approx(1.6)
+  static = cfg.cost_table
+  assert float(static.rounds_G[0]) == pytest.approx(1.6)
+  cheap = CostTable(static.target_W, static.verify_G1, static.drafting_G * 0.25).arguments()
 
-  def pays(accepted, seen, remaining):
+  def stats_of(accepted, seen, interval=8):
     stats = AdaptiveStats.zeros(len(seen), 4, cfg.widths, 4, 0.7, 8,
-                                costs=cfg.cost_table.arguments() if as_argument else None)
-    stats = stats.replace(first_accepted_B=jnp.array(accepted, jnp.int32),
-                          first_seen_B=jnp.array(seen, jnp.int32))
-    return bool(round_fn.record_pays(stats, jnp.array(remaining, jnp.int32)))
+                                costs=cheap if as_argument else None)
+    return stats.replace(first_accepted_B=jnp.array(accepted, jnp.int32),
+                         first_seen_B=jnp.array(seen, jnp.int32),
+                         probe_interval=jnp.int32(interval))
 
-  assert pays([7], [10], [50])
-  assert not pays([5], [10], [50])
-  assert not pays([0], [0], [50])  # no record
+  def pays(accepted, seen, remaining, rules=AdaptiveRules()):
+    return bool(AdaptiveRound(dataclasses.replace(cfg, rules=rules)).record_pays(
+        stats_of(accepted, seen), jnp.array(remaining, jnp.int32)))
+
+  assert pays([7], [10], [50]) and pays([9, 9], [10, 10], [50, 50])
+  assert pays([5], [10], [50]) == as_argument  # below 0.6 at the static table's prices
+  assert not pays([2], [10], [50]) and not pays([0], [0], [50])  # no record: nothing
   assert not pays([10], [10], [1])  # a row whose last token is the target's own
-  assert pays([1, 9], [10, 10], [50, 50]) and not pays([1, 9], [10, 10], [50, 0])
+  # rows apart: the slowest one decides, unless it is done
+  assert not pays([1, 9], [10, 10], [50, 50]) and pays([1, 9], [10, 10], [0, 50])
+
+  def after(accepted, found_nothing, rules=AdaptiveRules()):
+    round_fn = AdaptiveRound(dataclasses.replace(cfg, rules=rules))
+    return int(round_fn.after_watched_stretch(stats_of(accepted, [10], interval=16),
+                                              jnp.bool_(found_nothing),
+                                              jnp.array([50], jnp.int32), 8).probe_interval)
+
+  assert after([9], True) == 16  # a dip: the wait holds
+  assert after([3], True) == 32  # the record cannot pay either: it grows
+  assert after([9], False) == 16  # a stretch that found drafting worth it: unchanged
+  assert after([9], True, AdaptiveRules(record_holds_wait=False)) == 32
   assert AdaptiveRules().record_holds_wait and AdaptiveRules().later_follow_first
+
+
+def test_later_estimates_follow_the_first_for_teacher_forced_drafters_only(stories):
+  """AdaptiveRound.follows_first (AdaptiveStats.update's later_follow_first): a draft model
+  and lookup + a draft model, whose later drafts continue the first; not lookup alone (no
+  hindsight) nor a Medusa or EAGLE chain (later drafts read heads or predicted features),
+  nor any drafter with the rule off."""
+  model, params = stories
+  round_fn = AdaptiveRound(AdaptiveConfig(4).resolved())
+  off = AdaptiveRound(AdaptiveConfig(4, rules=AdaptiveRules(later_follow_first=False)).resolved())
+  draft_model = DraftModelDrafter(model)
+  both, _ = make_drafter("lookup+draft_model", model, params, draft_model=model,
+                         draft_params=params)
+  lookup, _ = make_drafter("prompt_lookup", model, params)
+  assert round_fn.follows_first(draft_model) and round_fn.follows_first(both)
+  assert not round_fn.follows_first(lookup) and not off.follows_first(draft_model)
+
+  class NotTeacherForced(DraftModelDrafter):
+    hindsight_speaks_for_later_drafts = False  # as MedusaDrafter and EagleDrafter say
+  assert not round_fn.follows_first(NotTeacherForced(model))
 
 
 def test_no_probe_when_the_budget_left_cannot_repay_it():

@@ -126,7 +126,7 @@ class AdaptiveRound:
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every,
         source_B=source_B,
-        later_follow_first=rules.later_follow_first and drafter.hindsight_speaks_for_later_drafts)
+        later_follow_first=self.follows_first(drafter))
     if primary_B is not None and watch:
       new = self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, new,
                                            plan.drafts & ~source_B)
@@ -308,13 +308,36 @@ class AdaptiveRound:
     return ~jnp.any((remaining_B > 1) & (upper_B > self.least_first))
 
   def record_pays(self, stats: AdaptiveStats, remaining_B) -> jax.Array:
-    """[] bool: some row that still has tokens to make has a whole record of first drafts
-    (verified, or guessed in hindsight) whose acceptance rate beats a plain step with a
-    round of one draft (AdaptiveRules.record_holds_wait). Past rounds only (lossless)."""
-    table = self.costs_of(stats)
-    break_even = table.rounds_G[0] / table.verify_G1[0] - 1.0
+    """[] bool: the plan would draft if each row's first-draft estimate were its whole
+    record's acceptance rate (first drafts verified or guessed in hindsight; 0 with no
+    record), its later estimates as they are: drafting pays on the whole, for the batch as
+    the plan weighs it (a row alone: its rate beats a plain step with a round of one draft;
+    rows apart: the slowest row's finish decides). AdaptiveRules.record_holds_wait. Past
+    rounds only (lossless)."""
     rate_B = stats.first_accepted_B / jnp.maximum(stats.first_seen_B, 1)
-    return jnp.any((remaining_B > 1) & (stats.first_seen_B > 0) & (rate_B > break_even))
+    estimate_BG = stats.estimate_BG.at[:, 0].set(rate_B.astype(stats.estimate_BG.dtype))
+    return self.plan(stats.replace(estimate_BG=estimate_BG), remaining_B, watch=True).drafts
+
+  def after_watched_stretch(self, stats: AdaptiveStats, found_nothing, remaining_B,
+                            probe_every: int) -> AdaptiveStats:
+    """stats after a watched stretch: where it ran to its end without finding drafting worth
+    it (found_nothing, [] bool), it stands for a probe that was not promising, so the wait
+    before the next check grows (probe_growth), unless the rows' whole records say drafting
+    pays (record_pays, with AdaptiveRules.record_holds_wait: acceptance comes in runs, and
+    a dip is not a useless draft); and it gives up where the records are hopeless."""
+    rules = self.config.rules
+    grows = found_nothing
+    if rules.record_holds_wait:
+      grows &= ~self.record_pays(stats, remaining_B)
+    grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
+    stats = stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
+    return self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
+
+  def follows_first(self, drafter: Drafter) -> bool:
+    """Static: AdaptiveStats.update's later_follow_first for this drafter (its later drafts
+    are teacher-forced continuations of its first: AdaptiveRules.later_follow_first)."""
+    return bool(self.config.rules.later_follow_first and drafter.has_hindsight
+                and drafter.hindsight_speaks_for_later_drafts)
 
   def give_up_if_hopeless(self, stats: AdaptiveStats, looked, remaining_B,
                           probe_every: int) -> AdaptiveStats:
@@ -372,7 +395,8 @@ class AdaptiveRound:
     probe_every: the round's (probe_every()). source_B ([B] bool, a drafter with sources):
     the rows whose drafted round reads and writes the primary's record (all False when the
     round does not draft). later_follow_first: AdaptiveStats.update's (a chain drafter whose
-    later drafts continue its first: Drafter.hindsight_speaks_for_later_drafts)."""
+    later drafts are teacher-forced continuations of its first: Drafter.has_hindsight and
+    hindsight_speaks_for_later_drafts)."""
     rules = self.config.rules
     if source_B is not None:
       s = s.replace(metrics=s.metrics.replace(
@@ -556,15 +580,10 @@ class AdaptiveRound:
       # a stretch that watched to its end without finding drafting worth it stands for a
       # probe that was not promising: the wait before the next check grows as it would, and
       # restarts from this look (`looked`), as a probe's does
-      stats = new.metrics.adaptive
-      remaining_B = remaining_tokens(new.done_B, new.num_generated_B, budget_B)
-      grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
       found_nothing = (steps >= n) & ~pays
-      grows = found_nothing
-      if rules.record_holds_wait:
-        grows &= ~self.record_pays(stats, remaining_B)
-      stats = stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
-      stats = self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
+      stats = self.after_watched_stretch(
+          new.metrics.adaptive, found_nothing,
+          remaining_tokens(new.done_B, new.num_generated_B, budget_B), probe_every)
       new = new.replace(metrics=new.metrics.replace(adaptive=stats))
     new = new.replace(metrics=new.metrics.after_plain_steps(
         steps, active_steps_B, new.num_generated_B - s.num_generated_B))
