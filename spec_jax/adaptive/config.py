@@ -135,20 +135,19 @@ class AdaptiveRules:
     not draft at the rows' whole records of first drafts (every one verified or guessed in
     hindsight, as give_up reads it; AdaptiveRound.record_pays: for one row, where its rate
     does not beat a plain step with a round of one draft; for a batch, as the plan weighs
-    its slowest row). Acceptance comes in runs: on the built-in
-    pair's first code prompt the draft model agreed on 76% of first drafts, a run of misses
-    grew the wait to 32 steps, and the hindsight at its end found 96% agreement there, so
-    `auto` ran 72 plain steps where gamma 1 drafted every round and gained 10%. False: the
-    wait grows after every such stretch (the rule before stop 57).
+    its slowest row). Acceptance comes in runs: on the built-in pair's first code prompt the
+    draft model agreed on 76% of first drafts, a run of misses grew the wait to 32 steps,
+    and the hindsight at its end found 96% agreement there, so `auto` ran 72 plain steps
+    where gamma 1 drafted every round and gained 10%. False: the wait grows after every such
+    stretch (the rule before stop 57).
   later_follow_first: in a drafted round, the estimates of the later positions a row did not
     verify move `forget` of the way back towards the larger of the prior and its first
     draft's estimate, for a drafter whose later drafts are teacher-forced continuations of
     its first (a draft model, a layer skip, a quantized target, lookup + one of those:
     Drafter.has_hindsight and hindsight_speaks_for_later_drafts; not EAGLE, Medusa, block
-    drafters or lookup alone), so
-    rounds of one draft, which verify no later draft, do not hold a row whose first drafts
-    are accepted 95% of the time at the prior's 0.7 for good (AdaptiveStats.update). False:
-    back towards the prior alone (the rule before stop 57).
+    drafters or lookup alone), so rounds of one draft, which verify no later draft, do not
+    hold a row whose first drafts are accepted 95% of the time at the prior's 0.7 for good
+    (AdaptiveStats.update). False: back towards the prior alone (the rule before stop 57).
   horizon: the plan values a draft length by the expected time to finish the batch
     (the slowest row: planned_drafts, finishing_rounds); False: by tokens per second summed
     over the rows, which overvalues drafting in large batches, whose rows finish rounds

@@ -327,8 +327,9 @@ class AdaptiveRound:
     a dip is not a useless draft); and it gives up where the records are hopeless."""
     rules = self.config.rules
     grows = found_nothing
-    if rules.record_holds_wait:
-      grows &= ~self.record_pays(stats, remaining_B)
+    if rules.record_holds_wait:  # (the plan runs only after a stretch that found nothing)
+      grows = jax.lax.cond(found_nothing, lambda: ~self.record_pays(stats, remaining_B),
+                           lambda: jnp.bool_(False))
     grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
     stats = stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
     return self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
