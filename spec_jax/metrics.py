@@ -156,7 +156,8 @@ class AdaptiveStats:
              learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
              rounds=1, plain_row_rounds=None, empty_B=None, prior: float = 0.0,
              forget: float = 0.0, promising=False, looked=False,
-             later_follow_first: bool = False) -> "AdaptiveStats":
+             later_follow_first: bool = False,
+             follow_accepted: bool = False) -> "AdaptiveStats":
     """After a drafted round, or after `rounds` plain steps run without drafting, in which
     rows were active `plain_row_rounds` times in all (each admitted nothing). In a drafted
     round, the estimates of a row's later positions (past the first) that it did not verify
@@ -170,7 +171,10 @@ class AdaptiveStats:
     least as often as a first draft: learn_hindsight), not to the prior alone: rounds of one
     draft verify no later draft, and a row whose later estimates stayed at the prior kept
     drafting one where its first drafts were accepted 95% of the time (the built-in pair's
-    sixth code prompt: 63 rounds of one draft, 1.19x, where gamma 4 read 1.36x)."""
+    sixth code prompt: 63 rounds of one draft, 1.19x, where gamma 4 read 1.36x).
+    follow_accepted (with later_follow_first): where the row's first draft was verified and
+    accepted, the move is learning_rate of the way, not forget (AdaptiveRules
+    .follow_accepted)."""
     gamma = self.estimate_BG.shape[1]
     j_G = jnp.arange(gamma)[None, :]
     seen_BG = (drafted & active_B)[:, None] & (j_G < admitted_B[:, None]) & (
@@ -181,6 +185,9 @@ class AdaptiveStats:
     unseen_BG = (drafted & active_B)[:, None] & ~seen_BG & (j_G >= 1)
     if later_follow_first:
       prior = jnp.maximum(prior, self.estimate_BG[:, :1])
+      if follow_accepted:
+        first_hit_B1 = (seen_BG[:, :1] & (num_accepted_B[:, None] > 0))
+        forget = jnp.where(first_hit_B1, learning_rate, forget)
     estimate_BG = _learn(self.estimate_BG, seen_BG, hit_BG, learning_rate, unseen_BG, prior,
                          forget)
     gamma_B = self.gamma_B

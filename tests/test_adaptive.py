@@ -1379,6 +1379,32 @@ def test_unverified_later_estimates_follow_the_first_drafts():
   np.testing.assert_allclose(np.asarray(rejected.estimate_BG)[:, 1], 0.7 * 0.7, rtol=1e-6)
 
 
+def test_an_accepted_first_draft_teaches_the_later_estimates():
+  """AdaptiveStats.update(follow_accepted=True, with later_follow_first): where a row's first
+  draft was verified and accepted, its unverified later positions move learning_rate (not
+  forget) of the way towards the larger of the prior and its first-draft estimate: a first
+  draft accepted is an agreement after the true prefix, as a later draft's is after
+  accepted ones. A rejected first draft, a row that did not draft and the verified
+  positions are as before."""
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(3, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
+  stats = stats.replace(estimate_BG=jnp.array([[0.95, 0.5, 0.5, 0.5]] * 3))
+  kw = dict(learning_rate=0.3, schedule=False, probe_every=8, probe_growth=2, prior=0.7,
+            forget=0.05, later_follow_first=True)
+  # rows: one draft accepted / one draft rejected / two drafts, the second rejected
+  args = (jnp.array([True, True, True]), jnp.array([1, 1, 2]), jnp.array([1, 0, 1]), 2,
+          jnp.bool_(True), jnp.bool_(False))
+  taught = np.asarray(stats.update(*args, follow_accepted=True, **kw).estimate_BG)
+  slow = np.asarray(stats.update(*args, follow_accepted=False, **kw).estimate_BG)
+  np.testing.assert_allclose(taught[0, 1:], 0.5 + 0.3 * (0.95 - 0.5), rtol=1e-6)
+  np.testing.assert_allclose(slow[0, 1:], 0.5 + 0.05 * (0.95 - 0.5), rtol=1e-6)
+  np.testing.assert_allclose(taught[1], slow[1], rtol=1e-6)  # rejected: forget, as before
+  np.testing.assert_allclose(taught[2, :2], [0.95 + 0.3 * 0.05, 0.5 * 0.7], rtol=1e-6)
+  np.testing.assert_allclose(taught[2, 2:], 0.5 + 0.3 * (0.95 - 0.5), rtol=1e-6)
+  np.testing.assert_allclose(taught[:, 0], slow[:, 0], rtol=1e-6)
+  assert AdaptiveRules().follow_accepted
+
+
 @pytest.mark.parametrize("as_argument", [False, True])
 def test_a_record_of_first_drafts_that_pays_holds_the_wait(as_argument):
   """AdaptiveRound.record_pays: the plan would draft at the rows' whole records of first
@@ -1444,6 +1470,43 @@ def test_later_estimates_follow_the_first_for_teacher_forced_drafters_only(stori
   class NotTeacherForced(DraftModelDrafter):
     hindsight_speaks_for_later_drafts = False  # as MedusaDrafter and EagleDrafter say
   assert not round_fn.follows_first(NotTeacherForced(model))
+
+
+def test_the_plan_reads_a_first_draft_estimate_no_lower_than_the_record(stories):
+  """AdaptiveRound.floored (AdaptiveRules.record_floor): for a drafter whose later drafts
+  follow its first, the plan reads each row's first-draft estimate as at least its whole
+  record's rate, once the record holds HINDSIGHT_WIDTH first drafts; the other positions,
+  the stats carried on, other drafters and the rule off are untouched. And a dip in the
+  estimate below what a round of one draft needs no longer stops drafting where the record
+  pays (the plan: one draft costs 1.6 plain steps here)."""
+  from spec_jax.metrics import AdaptiveStats
+  model, params = stories
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.4, 1.8, 2.4),
+                       draft_cost=0.8, first_draft_cost=0.2).resolved()
+  round_fn = AdaptiveRound(cfg)
+  off = AdaptiveRound(dataclasses.replace(cfg, rules=AdaptiveRules(record_floor=False)))
+  draft_model = DraftModelDrafter(model)
+  lookup, _ = make_drafter("prompt_lookup", model, params)
+  stats = AdaptiveStats.zeros(3, 4, cfg.widths, 4, 0.7, 8)
+  stats = stats.replace(
+      estimate_BG=stats.estimate_BG.at[:, 0].set(jnp.array([0.4, 0.4, 0.9])),
+      first_accepted_B=jnp.array([6, 6, 6], jnp.int32),
+      first_seen_B=jnp.array([8, 7, 8], jnp.int32))
+  floored = round_fn.floored(stats, draft_model)
+  np.testing.assert_allclose(np.asarray(floored.estimate_BG[:, 0]), [0.75, 0.4, 0.9], rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(floored.estimate_BG[:, 1:]),
+                                np.asarray(stats.estimate_BG[:, 1:]))
+  for unchanged in (round_fn.floored(stats, lookup), off.floored(stats, draft_model)):
+    np.testing.assert_array_equal(np.asarray(unchanged.estimate_BG), np.asarray(stats.estimate_BG))
+
+  one = AdaptiveStats.zeros(1, 4, cfg.widths, 4, 0.7, 8)
+  one = one.replace(estimate_BG=one.estimate_BG.at[:, 0].set(0.4),
+                    first_accepted_B=jnp.array([6], jnp.int32),
+                    first_seen_B=jnp.array([8], jnp.int32))
+  remaining_B = jnp.array([50], jnp.int32)
+  assert not bool(round_fn.plan(one, remaining_B, watch=True).drafts)  # the dip alone: plain
+  assert bool(round_fn.plan(round_fn.floored(one, draft_model), remaining_B, watch=True).drafts)
+  assert AdaptiveRules().record_floor
 
 
 def test_no_probe_when_the_budget_left_cannot_repay_it():

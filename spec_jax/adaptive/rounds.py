@@ -81,8 +81,8 @@ class AdaptiveRound:
       if self.forced:  # timed as propose_for_timing is: the model on every row
         primary_B, view = jnp.zeros_like(primary_B), stats
         drafting_G = jnp.asarray(table.drafting_G)
-    plan = self.plan(view, remaining_B, watch=watch, probe_every=probe_every,
-                     drafting_G=drafting_G)
+    plan = self.plan(self.floored(view, drafter), remaining_B, watch=watch,
+                     probe_every=probe_every, drafting_G=drafting_G)
     lookup_only = None
     if primary_B is not None:
       # where the model's drafting does not pay this round, rows the primary serves may still:
@@ -334,6 +334,17 @@ class AdaptiveRound:
     stats = stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
     return self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
 
+  def floored(self, stats: AdaptiveStats, drafter: Drafter) -> AdaptiveStats:
+    """stats as the plan reads them: with AdaptiveRules.record_floor, for a drafter whose
+    later drafts follow its first (follows_first), each row's first-draft estimate is at
+    least its whole record's rate once that record holds HINDSIGHT_WIDTH first drafts."""
+    if not (self.config.rules.record_floor and self.follows_first(drafter)):
+      return stats
+    rate_B = stats.first_accepted_B / jnp.maximum(stats.first_seen_B, 1)
+    rate_B = jnp.where(stats.first_seen_B >= HINDSIGHT_WIDTH, rate_B, 0.0)
+    first_B = jnp.maximum(stats.estimate_BG[:, 0], rate_B.astype(stats.estimate_BG.dtype))
+    return stats.replace(estimate_BG=stats.estimate_BG.at[:, 0].set(first_B))
+
   def follows_first(self, drafter: Drafter) -> bool:
     """Static: AdaptiveStats.update's later_follow_first for this drafter (its later drafts
     are teacher-forced continuations of its first: AdaptiveRules.later_follow_first)."""
@@ -417,7 +428,8 @@ class AdaptiveRound:
         learning_rate=rules.learning_rate, schedule=schedule, probe_every=probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
         empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising,
-        looked=looked, later_follow_first=later_follow_first)
+        looked=looked, later_follow_first=later_follow_first,
+        follow_accepted=later_follow_first and rules.follow_accepted)
     if source_B is not None:  # back: the fields are the secondary's record again
       stats = stats.with_source(source_B)
     stats = self.give_up_if_hopeless(
@@ -545,14 +557,15 @@ class AdaptiveRound:
             *seen, rules.learning_rate, later=drafter.hindsight_speaks_for_later_drafts)
         remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
         if until is None:
-          pays = self.watch_pays(stats, remaining_B)
+          pays = self.watch_pays(self.floored(stats, drafter), remaining_B)
         else:  # the primary's record learns too, and each row is planned by its source's
           agree_BA, found_BA = drafter.primary_hindsight(ctx, seen[1].shape[1])
           stats = stats.learn_primary_hindsight(agree_BA, seen[1] & found_BA,
                                                 rules.learning_rate)
           s = s.replace(metrics=s.metrics.replace(adaptive=stats))  # (rows reads the records)
           primary_B = until.rows(s)
-          pays = self.watch_pays(stats.with_source(primary_B), remaining_B,
+          pays = self.watch_pays(self.floored(stats.with_source(primary_B), drafter),
+                                 remaining_B,
                                  until.costs(primary_B, s.done_B))
         s = s.replace(metrics=s.metrics.replace(adaptive=stats))
       if until is not None:  # (a drafted round follows, caught up)
@@ -703,7 +716,8 @@ class AdaptiveRound:
       top_BG = jnp.max(probs_BGV, axis=-1)
     conf_BG = drafter.acceptance_estimates(draft_state)  # may be wider than gamma
     conf_BG = top_BG if conf_BG is None else conf_BG[:, :gamma].astype(jnp.float32)
-    survival_BG = jnp.cumprod(jnp.minimum(conf_BG, stats.estimate_BG), axis=1)
+    estimate_BG = self.floored(stats, drafter).estimate_BG  # as the plan read them
+    survival_BG = jnp.cumprod(jnp.minimum(conf_BG, estimate_BG), axis=1)
     inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)
     admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)
     admitted_B = jnp.where(probe, jnp.maximum(admitted_B, 1), admitted_B)
@@ -726,7 +740,7 @@ class AdaptiveRound:
     if rules.schedule:
       limit_B = jnp.minimum(limit_B, stats.gamma_B)
     k = schedule_length(survival_BG, admitted_B, active_B, cost_G1,
-                        stats.estimate_BG if rules.lookahead else None, limit_B)
+                        estimate_BG if rules.lookahead else None, limit_B)
     k = jnp.where(probe, jnp.max(admitted_B), k)
     admitted_B = jnp.minimum(admitted_B, k)
     if self.forced:  # (still a function of the rules' lengths: their cost is timed too)
