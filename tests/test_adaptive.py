@@ -1395,6 +1395,10 @@ def test_an_accepted_first_draft_teaches_the_later_estimates():
   args = (jnp.array([True, True, True]), jnp.array([1, 1, 2]), jnp.array([1, 0, 1]), 2,
           jnp.bool_(True), jnp.bool_(False))
   taught = np.asarray(stats.update(*args, follow_accepted=True, **kw).estimate_BG)
+  unruled = dict(kw, later_follow_first=False)  # the rule rides on later_follow_first
+  np.testing.assert_array_equal(
+      np.asarray(stats.update(*args, follow_accepted=True, **unruled).estimate_BG),
+      np.asarray(stats.update(*args, follow_accepted=False, **unruled).estimate_BG))
   slow = np.asarray(stats.update(*args, follow_accepted=False, **kw).estimate_BG)
   np.testing.assert_allclose(taught[0, 1:], 0.5 + 0.3 * (0.95 - 0.5), rtol=1e-6)
   np.testing.assert_allclose(slow[0, 1:], 0.5 + 0.05 * (0.95 - 0.5), rtol=1e-6)
@@ -1491,9 +1495,13 @@ def test_the_plan_reads_a_first_draft_estimate_no_lower_than_the_record(stories)
   stats = stats.replace(
       estimate_BG=stats.estimate_BG.at[:, 0].set(jnp.array([0.4, 0.4, 0.9])),
       first_accepted_B=jnp.array([6, 6, 6], jnp.int32),
-      first_seen_B=jnp.array([8, 7, 8], jnp.int32))
+      first_seen_B=jnp.array([HINDSIGHT_WIDTH, HINDSIGHT_WIDTH - 1, HINDSIGHT_WIDTH],
+                             jnp.int32))
+  rate = 6 / HINDSIGHT_WIDTH
   floored = round_fn.floored(stats, draft_model)
-  np.testing.assert_allclose(np.asarray(floored.estimate_BG[:, 0]), [0.75, 0.4, 0.9], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(floored.estimate_BG[:, 0]), [rate, 0.4, 0.9], rtol=1e-6)
+  some = round_fn.floored(stats, draft_model, jnp.array([False, True, True]))  # rows given
+  np.testing.assert_allclose(np.asarray(some.estimate_BG[:, 0]), [0.4, 0.4, 0.9], rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(floored.estimate_BG[:, 1:]),
                                 np.asarray(stats.estimate_BG[:, 1:]))
   for unchanged in (round_fn.floored(stats, lookup), off.floored(stats, draft_model)):

@@ -81,8 +81,8 @@ class AdaptiveRound:
       if self.forced:  # timed as propose_for_timing is: the model on every row
         primary_B, view = jnp.zeros_like(primary_B), stats
         drafting_G = jnp.asarray(table.drafting_G)
-    plan = self.plan(self.floored(view, drafter), remaining_B, watch=watch,
-                     probe_every=probe_every, drafting_G=drafting_G)
+    plan = self.plan(self.floored(view, drafter, None if primary_B is None else ~primary_B),
+                     remaining_B, watch=watch, probe_every=probe_every, drafting_G=drafting_G)
     lookup_only = None
     if primary_B is not None:
       # where the model's drafting does not pay this round, rows the primary serves may still:
@@ -185,8 +185,9 @@ class AdaptiveRound:
     def rows(s):  # where lookup matches and its record, at its cost, beats the model's
       ctx = round_inputs(s, sampling, eos_id)[0]
       stats: AdaptiveStats = s.metrics.adaptive
+      model_BG = self.floored(stats, drafter).estimate_BG  # as the plan reads the model's
       better_B = (best_rate(stats.primary.estimate_BG, jnp.asarray(table.primary_drafting_G))
-                  >= best_rate(stats.estimate_BG, jnp.asarray(table.drafting_G)))
+                  >= best_rate(model_BG, jnp.asarray(table.drafting_G)))
       return drafter.primary_rows(draft_params, s.draft_state, ctx) & better_B
 
     def costs(primary_B, done_B):
@@ -334,14 +335,19 @@ class AdaptiveRound:
     stats = stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
     return self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
 
-  def floored(self, stats: AdaptiveStats, drafter: Drafter) -> AdaptiveStats:
+  def floored(self, stats: AdaptiveStats, drafter: Drafter, rows_B=None) -> AdaptiveStats:
     """stats as the plan reads them: with AdaptiveRules.record_floor, for a drafter whose
     later drafts follow its first (follows_first), each row's first-draft estimate is at
-    least its whole record's rate once that record holds HINDSIGHT_WIDTH first drafts."""
+    least its whole record's rate once that record holds HINDSIGHT_WIDTH first drafts.
+    rows_B ([B] bool; None: all): the rows floored (a drafter with sources: those that
+    read the model's record, not lookup's, whose acceptance comes in long runs)."""
     if not (self.config.rules.record_floor and self.follows_first(drafter)):
       return stats
     rate_B = stats.first_accepted_B / jnp.maximum(stats.first_seen_B, 1)
-    rate_B = jnp.where(stats.first_seen_B >= HINDSIGHT_WIDTH, rate_B, 0.0)
+    floor_B = stats.first_seen_B >= HINDSIGHT_WIDTH
+    if rows_B is not None:
+      floor_B &= rows_B
+    rate_B = jnp.where(floor_B, rate_B, 0.0)
     first_B = jnp.maximum(stats.estimate_BG[:, 0], rate_B.astype(stats.estimate_BG.dtype))
     return stats.replace(estimate_BG=stats.estimate_BG.at[:, 0].set(first_B))
 
@@ -564,8 +570,8 @@ class AdaptiveRound:
                                                 rules.learning_rate)
           s = s.replace(metrics=s.metrics.replace(adaptive=stats))  # (rows reads the records)
           primary_B = until.rows(s)
-          pays = self.watch_pays(self.floored(stats.with_source(primary_B), drafter),
-                                 remaining_B,
+          pays = self.watch_pays(self.floored(stats.with_source(primary_B), drafter,
+                                              ~primary_B), remaining_B,
                                  until.costs(primary_B, s.done_B))
         s = s.replace(metrics=s.metrics.replace(adaptive=stats))
       if until is not None:  # (a drafted round follows, caught up)
