@@ -102,6 +102,12 @@ class AdaptiveStats:
         self.node_estimate_BZ, verified_BZ, on_path_BZ, learning_rate,
         active_B[:, None] & ~verified_BZ, prior, forget))
 
+  @property
+  def record_rate_B(self) -> jax.Array:
+    """[B] float32: the share of each row's first drafts (verified or guessed in hindsight)
+    that were accepted; 0 with none seen."""
+    return self.first_accepted_B / jnp.maximum(self.first_seen_B, 1)
+
   def grown_probe_interval(self, probe_growth: int, probe_every: int) -> jax.Array:
     """The wait before the next probe after one that was not promising (up to 64x)."""
     return jnp.minimum(probe_growth * self.probe_interval, MAX_PROBE_WAIT * probe_every)

@@ -152,10 +152,10 @@ class AdaptiveRules:
     accepted, those later positions move learning_rate of the way, not forget (a first
     draft accepted is an agreement after the true prefix, as a later draft's is after
     accepted ones; so also in a round where a later draft was then rejected, whose own
-    position learns the rejection). One rejected later draft brought a row whose first drafts were accepted
-    99% of the time from 0.9 to 0.64 at that position, and rounds of one draft then drifted
-    it back 5% a round: 15-30 rounds of one draft where gamma 4 gained more (the built-in
-    pair's third code prompt). False: forget (the rule of stop 57).
+    position learns the rejection). One rejected later draft brought a row whose first
+    drafts were accepted 99% of the time from 0.9 to 0.64 at that position, and rounds of
+    one draft then drifted it back 5% a round: 15-30 rounds of one draft where gamma 4
+    gained more (the built-in pair's third code prompt). False: forget (the rule of stop 57).
   record_floor: for the same drafters, the plan and the drafted round read each row's
     first-draft estimate as at least its whole record's rate (first drafts verified or
     guessed in hindsight, once HINDSIGHT_WIDTH of them: AdaptiveRound.floored). The

@@ -315,7 +315,7 @@ class AdaptiveRound:
     the plan weighs it (a row alone: its rate beats a plain step with a round of one draft;
     rows apart: the slowest row's finish decides). AdaptiveRules.record_holds_wait. Past
     rounds only (lossless)."""
-    rate_B = stats.first_accepted_B / jnp.maximum(stats.first_seen_B, 1)
+    rate_B = stats.record_rate_B
     estimate_BG = stats.estimate_BG.at[:, 0].set(rate_B.astype(stats.estimate_BG.dtype))
     return self.plan(stats.replace(estimate_BG=estimate_BG), remaining_B, watch=True).drafts
 
@@ -343,11 +343,10 @@ class AdaptiveRound:
     read the model's record, not lookup's, whose acceptance comes in long runs)."""
     if not (self.config.rules.record_floor and self.follows_first(drafter)):
       return stats
-    rate_B = stats.first_accepted_B / jnp.maximum(stats.first_seen_B, 1)
     floor_B = stats.first_seen_B >= HINDSIGHT_WIDTH
     if rows_B is not None:
       floor_B &= rows_B
-    rate_B = jnp.where(floor_B, rate_B, 0.0)
+    rate_B = jnp.where(floor_B, stats.record_rate_B, 0.0)
     first_B = jnp.maximum(stats.estimate_BG[:, 0], rate_B.astype(stats.estimate_BG.dtype))
     return stats.replace(estimate_BG=stats.estimate_BG.at[:, 0].set(first_B))
 
