@@ -26,6 +26,10 @@ class SourceRecord:
   estimate_BG: jax.Array  # [B, G] as AdaptiveStats.estimate_BG
   first_seen_B: jax.Array  # [B] as AdaptiveStats.first_seen_B
   first_accepted_B: jax.Array  # [B] as AdaptiveStats.first_accepted_B
+  # [B] as AdaptiveStats.gamma_B: each source its own schedule. Shared, the model's misses
+  # held lookup's rounds to one draft where the text repeated itself and lookup's estimates
+  # stood at 0.83-0.98 (the built-in pair's main job)
+  gamma_B: jax.Array
 
 
 @struct.dataclass
@@ -62,18 +66,19 @@ class AdaptiveStats:
     nodes = None if tree_nodes is None else jnp.full((batch_size, tree_nodes - 1), prior,
                                                      jnp.float32)
     record = lambda: (jnp.full((batch_size, gamma), prior, jnp.float32),
-                      jnp.zeros(batch_size, jnp.int32), jnp.zeros(batch_size, jnp.int32))
-    estimate_BG, first_seen_B, first_accepted_B = record()
-    return cls(tuple(widths), jnp.full((batch_size,), min(initial_gamma, gamma), jnp.int32),
-               estimate_BG, jnp.int32(0),
+                      jnp.zeros(batch_size, jnp.int32), jnp.zeros(batch_size, jnp.int32),
+                      jnp.full((batch_size,), min(initial_gamma, gamma), jnp.int32))
+    estimate_BG, first_seen_B, first_accepted_B, gamma_B = record()
+    return cls(tuple(widths), gamma_B, estimate_BG, jnp.int32(0),
                jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32),
                first_seen_B, first_accepted_B, nodes,
                SourceRecord(*record()) if sources else None, costs)
 
   def with_source(self, primary_B) -> "AdaptiveStats":
-    """The record each row reads and writes swapped to its primary source's where primary_B
-    ([B] bool); the same call again swaps it back. Stats without sources: unchanged."""
+    """The record (and schedule) each row reads and writes swapped to its primary source's
+    where primary_B ([B] bool); the same call again swaps it back. Stats without sources:
+    unchanged."""
     if self.primary is None:
       return self
     p = self.primary
@@ -83,9 +88,11 @@ class AdaptiveStats:
         estimate_BG=pick(self.estimate_BG, p.estimate_BG),
         first_seen_B=pick(self.first_seen_B, p.first_seen_B),
         first_accepted_B=pick(self.first_accepted_B, p.first_accepted_B),
+        gamma_B=pick(self.gamma_B, p.gamma_B),
         primary=SourceRecord(pick(p.estimate_BG, self.estimate_BG),
                              pick(p.first_seen_B, self.first_seen_B),
-                             pick(p.first_accepted_B, self.first_accepted_B)))
+                             pick(p.first_accepted_B, self.first_accepted_B),
+                             pick(p.gamma_B, self.gamma_B)))
 
   def update_nodes(self, active_B, num_verified, path_BR1, num_accepted_B, *,
                    learning_rate: float, prior: float, forget: float) -> "AdaptiveStats":

@@ -1976,6 +1976,33 @@ def test_a_record_per_source_swaps_per_row_and_back():
   assert plain.primary is None and plain.with_source(mask_B) is plain
 
 
+def test_each_source_keeps_its_own_schedule():
+  """The gamma schedule (+2 after a fully accepted block, -1 otherwise) is kept per source,
+  as the record is: a round drafted from the primary moves the primary's schedule on that
+  row and leaves the secondary's, and the plan of a row that reads the primary reads its
+  schedule. Shared, the model's misses held lookup to one draft where it agreed 90%."""
+  from spec_jax.metrics import AdaptiveStats
+  stats = AdaptiveStats.zeros(2, 8, (1, 2, 3, 5, 9), 4, 0.7, 8, sources=True)
+  stats = stats.replace(gamma_B=jnp.array([1, 1], jnp.int32))  # the model's, after misses
+  source_B = jnp.array([True, False])  # row 0 drafts from lookup, row 1 from the model
+  active_B = jnp.array([True, True])
+  update = functools.partial(AdaptiveStats.update, learning_rate=0.3, schedule=True,
+                             probe_every=8, probe_growth=2)
+  view = stats.with_source(source_B)
+  np.testing.assert_array_equal(view.gamma_B, [4, 1])  # what the plan reads per row
+  # row 0 accepted all 4 of lookup's drafts; row 1 its model's one
+  after = update(view, active_B, jnp.array([4, 1]), jnp.array([4, 1]), jnp.int32(3),
+                 jnp.bool_(True), jnp.bool_(False)).with_source(source_B)
+  np.testing.assert_array_equal(after.gamma_B, [1, 3])  # the model's: row 1 moved
+  np.testing.assert_array_equal(after.primary.gamma_B, [6, 4])  # lookup's: row 0 moved
+  # a miss from the model on row 0 moves the model's schedule there, not lookup's
+  model_B = jnp.array([False, False])
+  missed = update(after.with_source(model_B), active_B, jnp.array([2, 0]), jnp.array([0, 0]),
+                  jnp.int32(2), jnp.bool_(True), jnp.bool_(False)).with_source(model_B)
+  np.testing.assert_array_equal(missed.gamma_B, [1, 3])  # clipped at 1; row 1 verified none
+  np.testing.assert_array_equal(missed.primary.gamma_B, [6, 4])
+
+
 def test_a_combination_drafts_from_lookup_where_its_model_is_useless(stories, reference_tokens):
   """Lookup + a random draft model, greedy, a table where the model's drafting is dear and
   lookup's cheap: rows whose text repeats draft from lookup (its own record and cost) while
