@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -1129,6 +1131,25 @@ def test_streaming_auto_runs_no_plain_stretch_past_a_chunk(stories, ragged, draf
   drafted = sum(n for w, n in summarize(chunks[-1].metrics)["adaptive"]["width_rounds"].items()
                 if w > 1)
   assert (drafted > 0) == drafts
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("schedule", "no", "schedule must be True or False, got 'no'"),
+    ("record_floor", 1, "record_floor must be True or False"),
+    ("learning_rate", 0.0, "learning_rate must be a number > 0 and <= 1"),
+    ("prior", float("nan"), "prior must be a number >= 0 and <= 1, got nan"),
+    ("give_up", 1.0, "give_up must be a number >= 0 and < 1"),
+    ("probe_share", math.inf, "probe_share must be a number >= 0, got inf"),
+    ("confidence", True, "confidence must be a number"),
+    ("probe_every", 2.0, "probe_every must be an integer >= 1"),
+    ("initial_gamma", 0, "initial_gamma must be an integer >= 1"),
+    ("admit", 3, "admit must be None or a function"),
+])
+def test_bad_rules_are_named(field, value, says):
+  """Each AdaptiveRules field is checked for its type and range, and the error names it
+  (a string where a switch belongs would read as on)."""
+  with pytest.raises(ValueError, match=re.escape(f"AdaptiveRules.{says}")):
+    AdaptiveConfig(8, rules=AdaptiveRules(**{field: value})).resolved()
 
 
 @pytest.mark.parametrize("steps", [0, -1, True, 2.0])

@@ -266,12 +266,7 @@ class AdaptiveConfig:
       check_costs(widths, default_costs(widths), self.draft_cost)
     if self.first_draft_cost is not None:
       check_costs(widths, default_costs(widths), self.first_draft_cost)
-    r = self.rules
-    if (not 1 <= r.initial_gamma or r.probe_every < 1 or not 0 < r.learning_rate <= 1
-        or not 0 <= r.forget <= 1
-        or not isinstance(r.probe_growth, (int, np.integer)) or r.probe_growth < 1
-        or not 0 <= r.probe_share < math.inf or not 0 <= r.give_up < 1):
-      raise ValueError(f"bad adaptive rules: {r}")
+    check_rules(self.rules)
     m = self.max_stretch
     if m is not None and (not is_int(m) or m < 1):
       raise ValueError(f"max_stretch must be None or an integer >= 1, got {m!r}")
@@ -340,6 +335,38 @@ def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> n
   first = 0.5 * full if first is None else min(float(first), full)
   m_G = np.arange(1, gamma_max + 1, dtype=np.float32)
   return (first + (full - first) * (m_G - 1) / (gamma_max - 1)).astype(np.float32)
+
+
+# AdaptiveRules' numeric fields: (low, high, whether low itself is allowed); high included
+_RULE_RANGES = {"confidence": (0.0, 1.0, True), "survival": (0.0, 1.0, True),
+                "prior": (0.0, 1.0, True), "learning_rate": (0.0, 1.0, False),
+                "forget": (0.0, 1.0, True), "probe_share": (0.0, math.inf, True),
+                "give_up": (0.0, 1.0, True)}
+_RULE_COUNTS = ("initial_gamma", "probe_every", "probe_growth")  # integers >= 1
+
+
+def check_rules(rules: AdaptiveRules) -> None:
+  """A ValueError naming the first AdaptiveRules field out of its type or range (a string
+  where a switch belongs would read as on; a NaN would compare false everywhere)."""
+  for f in dataclasses.fields(rules):
+    value, name = getattr(rules, f.name), f"AdaptiveRules.{f.name}"
+    if f.type in ("bool", bool):
+      if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    elif f.name in _RULE_COUNTS:
+      if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    elif f.name in _RULE_RANGES:
+      low, high, low_ok = _RULE_RANGES[f.name]
+      if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+          or not math.isfinite(value)
+          or not (low <= value if low_ok else low < value) or not value <= high
+          or (f.name == "give_up" and value == 1.0)):
+        top = "< 1" if f.name == "give_up" else ("" if high == math.inf else f"<= {high:g}")
+        raise ValueError(f"{name} must be a number {'>=' if low_ok else '>'} {low:g}"
+                         f"{' and ' + top if top else ''}, got {value!r}")
+    elif f.name == "admit" and value is not None and not callable(value):
+      raise ValueError(f"{name} must be None or a function, got {value!r}")
 
 
 def check_costs(widths, target_costs, draft_cost) -> None:
