@@ -381,7 +381,9 @@ def _sample(small_pair, gamma, verifier=None, seed=0, sampling=SamplingConfig(1.
 
 ADAPTIVE_SMALL = AdaptiveConfig(3, widths=(1, 2, 3, 4), target_costs=(1.0, 1.0, 1.0, 1.0),
                                 draft_cost=0.0,
-                                rules=AdaptiveRules(confidence=0.2, survival=0.05, initial_gamma=3))
+                                # the schedule too (off by default): its caps read past rounds only
+                                rules=AdaptiveRules(confidence=0.2, survival=0.05, initial_gamma=3,
+                                                    schedule=True))
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=5)])
@@ -2016,12 +2018,13 @@ def test_each_source_keeps_its_own_schedule():
                  jnp.bool_(True), jnp.bool_(False)).with_source(source_B)
   np.testing.assert_array_equal(after.gamma_B, [1, 3])  # the model's: row 1 moved
   np.testing.assert_array_equal(after.primary.gamma_B, [6, 4])  # lookup's: row 0 moved
-  # a miss from the model on row 0 moves the model's schedule there, not lookup's
-  model_B = jnp.array([False, False])
-  missed = update(after.with_source(model_B), active_B, jnp.array([2, 0]), jnp.array([0, 0]),
-                  jnp.int32(2), jnp.bool_(True), jnp.bool_(False)).with_source(model_B)
-  np.testing.assert_array_equal(missed.gamma_B, [1, 3])  # clipped at 1; row 1 verified none
-  np.testing.assert_array_equal(missed.primary.gamma_B, [6, 4])
+  # the sources the other way round: row 0's model accepts its one draft, row 1's lookup
+  # misses its third of four
+  swapped_B = jnp.array([False, True])
+  again = update(after.with_source(swapped_B), active_B, jnp.array([1, 4]), jnp.array([1, 2]),
+                 jnp.int32(3), jnp.bool_(True), jnp.bool_(False)).with_source(swapped_B)
+  np.testing.assert_array_equal(again.gamma_B, [3, 3])  # the model's: row 0 moved
+  np.testing.assert_array_equal(again.primary.gamma_B, [6, 3])  # lookup's: row 1 moved
 
 
 def test_a_combination_drafts_from_lookup_where_its_model_is_useless(stories, reference_tokens):

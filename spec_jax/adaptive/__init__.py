@@ -23,8 +23,8 @@ drafts or confidences (they are computed from x_i), or on the target's verdict. 
   - the survival S_i = a_1 * ... * a_i uses per-position acceptance estimates a_j known
     before x_j is drawn (the drafter's `acceptance_estimates`, else max q_j, capped by the
     row's online estimate from past rounds);
-  - the per-row gamma schedule reads past rounds only (HF: +2 after a fully accepted block,
-    -1 otherwise);
+  - the per-row gamma schedule (opt-in: AdaptiveRules.schedule) reads past rounds only (HF:
+    +2 after a fully accepted block, -1 otherwise);
   - a row's remaining budget caps its plan and its admitted length (drafts it could never
     keep are worth nothing, and the budget is known before anything is drawn);
   - the width scheduler scans positions in order and stops at the first one past which no

@@ -102,7 +102,8 @@ class AdaptiveRules:
     drafting read 0.955-0.97x; a trained EAGLE, watching every 8 steps (recording each plain
     step's features for it), 0.87x against 0.94x.
   admit: research hook replacing the row rules: admit(AdmitInputs) -> [B] admitted lengths.
-    It must obey the lossless condition (tests use it for a deliberately leaky rule).
+    It must obey the lossless condition (tests use it for a deliberately leaky rule). Its
+    AdmitInputs.gamma_B is the schedule's length, which moves only with schedule=True.
   lookahead: the width scheduler's scan values lengths past each position with past rounds'
     estimates (schedule_length); False: it compares neighbours only, DSpark's scan.
   hindsight: in greedy runs of a drafter that reports its greedy guesses at each catch-up
@@ -195,6 +196,46 @@ class AdaptiveRules:
   later_follow_first: bool = True
   follow_accepted: bool = True
   record_floor: bool = True
+
+  def __post_init__(self):
+    # checked when built: AdaptiveConfig.resolved is memoised, and equal rules (record_floor=1
+    # equals record_floor=True) would be served from its cache unchecked
+    check_rules(self)
+
+
+# AdaptiveRules' numeric fields: (low, high, whether low itself is allowed); high included
+_RULE_RANGES = {"confidence": (0.0, 1.0, True), "survival": (0.0, 1.0, True),
+                "prior": (0.0, 1.0, True), "learning_rate": (0.0, 1.0, False),
+                "forget": (0.0, 1.0, True), "probe_share": (0.0, math.inf, True),
+                "give_up": (0.0, 1.0, True)}
+_RULE_COUNTS = ("initial_gamma", "probe_every", "probe_growth")  # integers >= 1
+
+
+def check_rules(rules: AdaptiveRules) -> None:
+  """A ValueError naming the first AdaptiveRules field out of its type or range (a string
+  where a switch belongs would read as on; a NaN would compare false everywhere)."""
+  for f in dataclasses.fields(rules):
+    value, name = getattr(rules, f.name), f"AdaptiveRules.{f.name}"
+    if f.type in ("bool", bool):
+      if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    elif f.name in _RULE_COUNTS:
+      if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    elif f.name in _RULE_RANGES:
+      low, high, low_ok = _RULE_RANGES[f.name]
+      if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+          or not math.isfinite(value)
+          or not (low <= value if low_ok else low < value) or not value <= high
+          or (f.name == "give_up" and value == 1.0)):
+        top = "< 1" if f.name == "give_up" else ("" if high == math.inf else f"<= {high:g}")
+        raise ValueError(f"{name} must be a number {'>=' if low_ok else '>'} {low:g}"
+                         f"{' and ' + top if top else ''}, got {value!r}")
+    elif f.name == "admit":
+      if value is not None and not callable(value):
+        raise ValueError(f"{name} must be None or a function, got {value!r}")
+    else:  # a new field needs a check here
+      raise TypeError(f"check_rules has no check for {name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,38 +376,6 @@ def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> n
   first = 0.5 * full if first is None else min(float(first), full)
   m_G = np.arange(1, gamma_max + 1, dtype=np.float32)
   return (first + (full - first) * (m_G - 1) / (gamma_max - 1)).astype(np.float32)
-
-
-# AdaptiveRules' numeric fields: (low, high, whether low itself is allowed); high included
-_RULE_RANGES = {"confidence": (0.0, 1.0, True), "survival": (0.0, 1.0, True),
-                "prior": (0.0, 1.0, True), "learning_rate": (0.0, 1.0, False),
-                "forget": (0.0, 1.0, True), "probe_share": (0.0, math.inf, True),
-                "give_up": (0.0, 1.0, True)}
-_RULE_COUNTS = ("initial_gamma", "probe_every", "probe_growth")  # integers >= 1
-
-
-def check_rules(rules: AdaptiveRules) -> None:
-  """A ValueError naming the first AdaptiveRules field out of its type or range (a string
-  where a switch belongs would read as on; a NaN would compare false everywhere)."""
-  for f in dataclasses.fields(rules):
-    value, name = getattr(rules, f.name), f"AdaptiveRules.{f.name}"
-    if f.type in ("bool", bool):
-      if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    elif f.name in _RULE_COUNTS:
-      if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    elif f.name in _RULE_RANGES:
-      low, high, low_ok = _RULE_RANGES[f.name]
-      if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
-          or not math.isfinite(value)
-          or not (low <= value if low_ok else low < value) or not value <= high
-          or (f.name == "give_up" and value == 1.0)):
-        top = "< 1" if f.name == "give_up" else ("" if high == math.inf else f"<= {high:g}")
-        raise ValueError(f"{name} must be a number {'>=' if low_ok else '>'} {low:g}"
-                         f"{' and ' + top if top else ''}, got {value!r}")
-    elif f.name == "admit" and value is not None and not callable(value):
-      raise ValueError(f"{name} must be None or a function, got {value!r}")
 
 
 def check_costs(widths, target_costs, draft_cost) -> None:
