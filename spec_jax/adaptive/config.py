@@ -203,11 +203,11 @@ class AdaptiveRules:
     check_rules(self)
 
 
-# AdaptiveRules' numeric fields: (low, high, whether low itself is allowed); high included
-_RULE_RANGES = {"confidence": (0.0, 1.0, True), "survival": (0.0, 1.0, True),
-                "prior": (0.0, 1.0, True), "learning_rate": (0.0, 1.0, False),
-                "forget": (0.0, 1.0, True), "probe_share": (0.0, math.inf, True),
-                "give_up": (0.0, 1.0, True)}
+# AdaptiveRules' numeric fields: (low, high, whether low itself is allowed, whether high is)
+_RULE_RANGES = {"confidence": (0.0, 1.0, True, True), "survival": (0.0, 1.0, True, True),
+                "prior": (0.0, 1.0, True, True), "learning_rate": (0.0, 1.0, False, True),
+                "forget": (0.0, 1.0, True, True), "probe_share": (0.0, math.inf, True, False),
+                "give_up": (0.0, 1.0, True, False)}
 _RULE_COUNTS = ("initial_gamma", "probe_every", "probe_growth")  # integers >= 1
 
 
@@ -223,14 +223,14 @@ def check_rules(rules: AdaptiveRules) -> None:
       if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     elif f.name in _RULE_RANGES:
-      low, high, low_ok = _RULE_RANGES[f.name]
+      low, high, low_ok, high_ok = _RULE_RANGES[f.name]
       if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
           or not math.isfinite(value)
-          or not (low <= value if low_ok else low < value) or not value <= high
-          or (f.name == "give_up" and value == 1.0)):
-        top = "< 1" if f.name == "give_up" else ("" if high == math.inf else f"<= {high:g}")
-        raise ValueError(f"{name} must be a number {'>=' if low_ok else '>'} {low:g}"
-                         f"{' and ' + top if top else ''}, got {value!r}")
+          or not (low <= value if low_ok else low < value)
+          or not (value <= high if high_ok else value < high)):
+        top = "" if high == math.inf else f" and {'<=' if high_ok else '<'} {high:g}"
+        raise ValueError(f"{name} must be a number {'>=' if low_ok else '>'} {low:g}{top}, "
+                         f"got {value!r}")
     elif f.name == "admit":
       if value is not None and not callable(value):
         raise ValueError(f"{name} must be None or a function, got {value!r}")
@@ -307,7 +307,8 @@ class AdaptiveConfig:
       check_costs(widths, default_costs(widths), self.draft_cost)
     if self.first_draft_cost is not None:
       check_costs(widths, default_costs(widths), self.first_draft_cost)
-    check_rules(self.rules)
+    if not isinstance(self.rules, AdaptiveRules):  # (whose fields are checked when built)
+      raise TypeError(f"rules must be an AdaptiveRules, got {self.rules!r}")
     m = self.max_stretch
     if m is not None and (not is_int(m) or m < 1):
       raise ValueError(f"max_stretch must be None or an integer >= 1, got {m!r}")
