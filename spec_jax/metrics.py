@@ -58,11 +58,15 @@ class AdaptiveStats:
   # the cost table the rounds plan from (spec_jax.adaptive.CostTable of arrays): an argument
   # of the program, carried unchanged (None: the config's static table)
   costs: object = None
+  # whether the rounds move gamma_B (AdaptiveRules.schedule); off, it stays initial_gamma
+  # and the summary leaves it out
+  scheduled: bool = struct.field(pytree_node=False, default=False)
 
   @classmethod
   def zeros(cls, batch_size: int, gamma: int, widths, initial_gamma: int, prior: float,
             probe_every: int, tree_nodes: int | None = None,
-            sources: bool = False, costs=None) -> "AdaptiveStats":
+            sources: bool = False, costs=None,
+            scheduled: bool = False) -> "AdaptiveStats":
     nodes = None if tree_nodes is None else jnp.full((batch_size, tree_nodes - 1), prior,
                                                      jnp.float32)
     record = lambda: (jnp.full((batch_size, gamma), prior, jnp.float32),
@@ -73,7 +77,7 @@ class AdaptiveStats:
                jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32),
                first_seen_B, first_accepted_B, nodes,
-               SourceRecord(*record()) if sources else None, costs)
+               SourceRecord(*record()) if sources else None, costs, scheduled)
 
   def with_source(self, primary_B) -> "AdaptiveStats":
     """The record (and schedule) each row reads and writes swapped to its primary source's
@@ -305,11 +309,14 @@ def summarize(m: SpecMetrics) -> dict:
         "mean_admitted": int(a.admitted_B.sum()) / row_rounds if row_rounds else 0.0,
         "acceptance_estimate": np.round(a.estimate_BG.mean(0).astype(float), 3).tolist(),
         "acceptance_estimate_per_row": np.round(a.estimate_BG.astype(float), 3).tolist(),
-        "gamma_per_row": a.gamma_B.tolist(),
     }
+    if a.scheduled:  # the schedule's length per row (off, it never moves from initial_gamma)
+      out["adaptive"]["gamma_per_row"] = a.gamma_B.tolist()
     if a.primary is not None:  # a drafter with sources: the fields above are the secondary's
       out["adaptive"]["primary_acceptance_estimate"] = np.round(
           a.primary.estimate_BG.mean(0).astype(float), 3).tolist()
+      if a.scheduled:
+        out["adaptive"]["primary_gamma_per_row"] = a.primary.gamma_B.tolist()
     if a.node_estimate_BZ is not None:  # a tree's: P(node i + 1 on the accepted path)
       out["adaptive"]["node_estimate"] = np.round(a.node_estimate_BZ.mean(0).astype(float),
                                                   3).tolist()

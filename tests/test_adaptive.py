@@ -2027,6 +2027,42 @@ def test_each_source_keeps_its_own_schedule():
   np.testing.assert_array_equal(again.primary.gamma_B, [6, 3])  # lookup's: row 1 moved
 
 
+def test_summary_reports_the_schedule_only_where_it_runs():
+  """gamma_per_row is the schedule's length: off (the default) it never moves from
+  initial_gamma, and a summary that printed it read as a length the rows kept. With sources,
+  each source's schedule is reported (primary_gamma_per_row: the primary's)."""
+  from spec_jax.metrics import AdaptiveStats, SpecMetrics
+  widths = (1, 2, 3, 5, 9)
+  for scheduled in (False, True):
+    for sources in (False, True):
+      stats = AdaptiveStats.zeros(2, 8, widths, 4, 0.7, 8, sources=sources, scheduled=scheduled)
+      if sources:
+        stats = stats.replace(primary=stats.primary.replace(gamma_B=jnp.array([6, 2])))
+      a = summarize(SpecMetrics.zeros(2, 8).replace(
+          adaptive=stats.replace(gamma_B=jnp.array([3, 5]))))["adaptive"]
+      assert ("gamma_per_row" in a) == scheduled, (scheduled, sources, a)
+      assert ("primary_gamma_per_row" in a) == (scheduled and sources), (scheduled, sources, a)
+      if scheduled:
+        assert a["gamma_per_row"] == [3, 5]
+      if scheduled and sources:
+        assert a["primary_gamma_per_row"] == [6, 2]
+
+
+def test_programs_mark_their_stats_scheduled_by_the_rules(small_pair):
+  """A chain's stats say the schedule runs exactly when its rules turn it on; a tree's never
+  (a tree's rounds take none of the chain's row rules)."""
+  from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
+  target, _, draft_model, _ = small_pair
+  for schedule in (False, True):
+    rules = AdaptiveRules(schedule=schedule)
+    for drafter, widths in [(DraftModelDrafter(draft_model), (1, 2, 4)),
+                            (DraftModelTreeDrafter(draft_model, depth=3, top_k=2, nodes=7),
+                             tree_widths(7))]:
+      program, _ = prepare_program(target, drafter, *pad_prompts([[1, 2]]), max_new_tokens=4,
+                                   gamma=AdaptiveConfig(3, widths=widths, rules=rules))
+      assert program.initial_stats(1).scheduled == (schedule and not drafter.is_tree)
+
+
 def test_a_combination_drafts_from_lookup_where_its_model_is_useless(stories, reference_tokens):
   """Lookup + a random draft model, greedy, a table where the model's drafting is dear and
   lookup's cheap: rows whose text repeats draft from lookup (its own record and cost) while

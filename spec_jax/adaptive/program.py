@@ -35,7 +35,8 @@ def _adaptive_program_class():
       return AdaptiveStats.zeros(batch, self.gamma, self.adaptive.widths, r.initial_gamma,
                                  r.prior, self.probe_every, self.adaptive.tree_nodes,
                                  sources=self.drafter.has_sources,
-                                 costs=None if self.drafter.is_tree else costs)
+                                 costs=None if self.drafter.is_tree else costs,
+                                 scheduled=r.schedule and not self.drafter.is_tree)
 
     @property
     def probe_every(self) -> int:
