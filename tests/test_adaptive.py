@@ -2063,6 +2063,32 @@ def test_programs_mark_their_stats_scheduled_by_the_rules(small_pair):
       assert program.initial_stats(1).scheduled == (schedule and not drafter.is_tree)
 
 
+def test_a_coin_verifier_is_not_judged_by_agreement(stories, reference_tokens):
+  """Under the benchmarks' CoinVerifier (LOSSY: a coin accepts each greedy draft) a draft's
+  agreement with the target says nothing of its fate, so gamma="auto" must not learn from the
+  drafter's guesses in hindsight, at the prompt or after a stretch. A random draft model,
+  agreeing nowhere, had given up at the prompt and run plain steps only where its coins
+  accepted 90% of drafts (the batch sweep's 292M target: every round plain, gamma 2 1.19x)."""
+  from spec_jax.drafters.synthetic import synthetic_pair
+  model, params = stories
+  drafter, coin = synthetic_pair(model, 0.9)
+  random_draft = perturbed(params, 3.0, seed=7)
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.1, 1.2, 1.3),
+                       draft_cost=0.2, first_draft_cost=0.05)
+  prompts = pad_prompts([reference_tokens[:12], reference_tokens[:10]])
+  program, _ = prepare_program(model, drafter, *prompts, gamma=cfg, max_new_tokens=NEW,
+                               verifier=coin)
+  greedy_run = SamplingConfig()
+  assert not program.round_fn.watches(drafter, greedy_run, coin)
+  assert program.round_fn.watches(drafter, greedy_run, verify)  # the library's verifier does
+  out = speculate(model, params, drafter, random_draft, *prompts, gamma=cfg,
+                  max_new_tokens=NEW, verifier=coin)
+  m = summarize(out.metrics)
+  drafted = sum(n for w, n in m["adaptive"]["width_rounds"].items() if w > 1)
+  assert drafted >= m["rounds"] // 2, m["adaptive"]
+  assert m["acceptance_rate"] >= 0.7, m
+
+
 def test_a_combination_drafts_from_lookup_where_its_model_is_useless(stories, reference_tokens):
   """Lookup + a random draft model, greedy, a table where the model's drafting is dear and
   lookup's cheap: rows whose text repeats draft from lookup (its own record and cost) while

@@ -125,7 +125,7 @@ def _adaptive_program_class():
       guesses (Drafter.init_with_guesses)."""
       if (not self.adaptive.rules.prompt_look or self.sampling.processes_logits
           or not self.drafter.guesses_at_init
-          or not self.round_fn.watches(self.drafter, self.sampling)):
+          or not self.round_fn.watches(self.drafter, self.sampling, self.verifier)):
         return None
       width = prompt.tokens_BP.shape[1]
       seen = min(HINDSIGHT_WIDTH, width)

@@ -69,7 +69,7 @@ class AdaptiveRound:
     # past that are never kept, so they are worth nothing (known before drafting: lossless)
     remaining_B = remaining_tokens(s.done_B, s.num_generated_B, budget_B)
     useful_B = jnp.maximum(remaining_B - 1, 0)
-    watch = self.watches(drafter, sampling)
+    watch = self.watches(drafter, sampling, verifier)
     probe_every = self.probe_every(drafter, sampling)
     drafting_G = jnp.asarray(table.drafting_G)
     primary_B = until = None
@@ -228,12 +228,16 @@ class AdaptiveRound:
     return (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
             jnp.zeros_like(s.done_B), jnp.bool_(False))
 
-  def watches(self, drafter: Drafter, sampling: SamplingConfig) -> bool:
+  def watches(self, drafter: Drafter, sampling: SamplingConfig, verifier=None) -> bool:
     """Static: whether plain stretches learn the estimates in hindsight (the drafter's
     catch-ups report its greedy guesses: Drafter.catch_up_with_hindsight) instead of
-    probing. Greedy runs only: a sampled token is not the acceptance of a draft."""
+    probing. Greedy runs only, under a verifier that accepts a greedy draft exactly where it
+    is the target's greedy token: a sampled token is not the acceptance of a draft, and
+    neither is agreement under a verifier that says otherwise (`agreement_is_acceptance =
+    False`: the benchmarks' CoinVerifier, whose coins a random draft's guesses, agreeing
+    nowhere, had made it give up on at the prompt)."""
     return (self.config.rules.hindsight and drafter.has_hindsight and sampling.is_greedy
-            and not self.forced)
+            and getattr(verifier, "agreement_is_acceptance", True) and not self.forced)
 
   def costs_of(self, stats: AdaptiveStats):
     """The cost table a round plans from: the program's argument, carried in the stats

@@ -44,6 +44,9 @@ class CoinVerifier:
   """
   alpha: float
   draws_when_greedy = True  # its coins need a fresh key every round (speculative.round_inputs)
+  # a greedy draft's fate is its coin, not whether it is the target's token: gamma="auto"
+  # must not learn from the drafter's guesses in hindsight (AdaptiveRound.watches)
+  agreement_is_acceptance = False
 
   def __post_init__(self):
     if not 0.0 <= self.alpha <= 1.0:
