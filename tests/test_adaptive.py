@@ -1598,7 +1598,8 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   layer_skip = make_drafter("layer_skip", model, params, num_layers=1)[0]
   watched, _ = prepare_program(model, layer_skip, *pad_prompts([[1, 2]]), gamma=dear,
                                max_new_tokens=8)
-  assert watched.round_fn.watches(layer_skip, watched.sampling) and watched.probe_every == 22
+  assert watched.round_fn.watches(layer_skip, watched.sampling, watched.verifier)
+  assert watched.probe_every == 22
   assert dataclasses.replace(watched.round_fn, forced=True).probe_every(
       layer_skip, watched.sampling) == 8
   # a run: with probe_share 0 probes come every 8 idle steps; with the scaled 22 the window
@@ -2081,12 +2082,16 @@ def test_a_coin_verifier_is_not_judged_by_agreement(stories, reference_tokens):
   greedy_run = SamplingConfig()
   assert not program.round_fn.watches(drafter, greedy_run, coin)
   assert program.round_fn.watches(drafter, greedy_run, verify)  # the library's verifier does
-  out = speculate(model, params, drafter, random_draft, *prompts, gamma=cfg,
-                  max_new_tokens=NEW, verifier=coin)
-  m = summarize(out.metrics)
-  drafted = sum(n for w, n in m["adaptive"]["width_rounds"].items() if w > 1)
-  assert drafted >= m["rounds"] // 2, m["adaptive"]
-  assert m["acceptance_rate"] >= 0.7, m
+  # from the prompt look; and, the look off and a low prior, from the stretches' catch-ups:
+  # the first round is a plain stretch, and only a probe (not hindsight) finds the coin
+  stretch_first = dataclasses.replace(cfg, rules=AdaptiveRules(prompt_look=False, prior=0.1))
+  for config in (cfg, stretch_first):
+    out = speculate(model, params, drafter, random_draft, *prompts, gamma=config,
+                    max_new_tokens=NEW, verifier=coin)
+    m = summarize(out.metrics)
+    drafted = sum(n for w, n in m["adaptive"]["width_rounds"].items() if w > 1)
+    assert drafted >= m["rounds"] // 3, (config.rules, m["adaptive"])
+    assert m["acceptance_rate"] >= 0.7, m
 
 
 def test_a_combination_drafts_from_lookup_where_its_model_is_useless(stories, reference_tokens):

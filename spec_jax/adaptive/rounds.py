@@ -228,7 +228,7 @@ class AdaptiveRound:
     return (s, zeros_B, zeros_B, jnp.int32(0), jnp.int32(0), jnp.int32(0),
             jnp.zeros_like(s.done_B), jnp.bool_(False))
 
-  def watches(self, drafter: Drafter, sampling: SamplingConfig, verifier=None) -> bool:
+  def watches(self, drafter: Drafter, sampling: SamplingConfig, verifier) -> bool:
     """Static: whether plain stretches learn the estimates in hindsight (the drafter's
     catch-ups report its greedy guesses: Drafter.catch_up_with_hindsight) instead of
     probing. Greedy runs only, under a verifier that accepts a greedy draft exactly where it
