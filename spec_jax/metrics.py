@@ -170,7 +170,7 @@ class AdaptiveStats:
         agree_BA, valid_BA, learning_rate).with_source(every_B)
 
   def update(self, active_B, admitted_B, num_accepted_B, width_idx, drafted, probe, *,
-             learning_rate: float, schedule: bool, probe_every: int, probe_growth: int,
+             learning_rate: float, probe_every: int, probe_growth: int,
              rounds=1, plain_row_rounds=None, empty_B=None, prior: float = 0.0,
              forget: float = 0.0, promising=False, looked=False,
              later_follow_first: bool = False,
@@ -208,7 +208,7 @@ class AdaptiveStats:
     estimate_BG = _learn(self.estimate_BG, seen_BG, hit_BG, learning_rate, unseen_BG, prior,
                          forget)
     gamma_B = self.gamma_B
-    if schedule:
+    if self.scheduled:  # static: the program's rules
       verified_B = drafted & active_B & (admitted_B > 0)
       step_B = jnp.where(num_accepted_B >= admitted_B, 2, -1)
       gamma_B = jnp.where(verified_B, jnp.clip(gamma_B + step_B, 1, gamma), gamma_B)

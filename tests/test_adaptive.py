@@ -1230,9 +1230,10 @@ def test_probe_interval_grows_after_probes_that_are_not_promising():
   one always does); a promising probe, or a round that drafts because drafting pays, brings
   it back to probe_every; plain steps leave it alone."""
   from spec_jax.metrics import AdaptiveStats
-  stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
+  stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8,
+                              scheduled=True)
   active_B, admitted_B = jnp.array([True, True]), jnp.array([1, 1])
-  kw = dict(learning_rate=0.3, schedule=True, probe_every=8, probe_growth=4)
+  kw = dict(learning_rate=0.3, probe_every=8, probe_growth=4)
   seen = []
   for accepted in ([0, 0], [0, 1], [1, 1], [0, 0]):
     stats = stats.update(active_B, admitted_B, jnp.array(accepted), 1, jnp.bool_(True),
@@ -1366,7 +1367,7 @@ def test_a_look_in_hindsight_restarts_the_wait():
   stats = stats.replace(idle_rounds=jnp.int32(5))
   plain = functools.partial(stats.update, jnp.array([True]), jnp.array([0]), jnp.array([0]),
                             jnp.int32(0), jnp.bool_(False), jnp.bool_(False),
-                            learning_rate=0.3, schedule=True, probe_every=8, probe_growth=2,
+                            learning_rate=0.3, probe_every=8, probe_growth=2,
                             rounds=jnp.int32(3), plain_row_rounds=jnp.int32(3))
   assert int(plain().idle_rounds) == 8
   assert int(plain(looked=jnp.bool_(True)).idle_rounds) == 0
@@ -1383,7 +1384,7 @@ def test_unverified_later_estimates_follow_the_first_drafts():
   from spec_jax.metrics import AdaptiveStats
   stats = AdaptiveStats.zeros(2, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
   stats = stats.replace(estimate_BG=jnp.array([[0.95, 0.7, 0.7, 0.7], [0.3, 0.7, 0.7, 0.7]]))
-  kw = dict(learning_rate=0.3, schedule=False, probe_every=8, probe_growth=2, prior=0.7,
+  kw = dict(learning_rate=0.3, probe_every=8, probe_growth=2, prior=0.7,
             forget=0.05)
   one_draft = lambda st, follow: st.update(
       jnp.array([True, True]), jnp.array([1, 1]), jnp.array([1, 0]), 1, jnp.bool_(True),
@@ -1412,7 +1413,7 @@ def test_an_accepted_first_draft_teaches_the_later_estimates():
   from spec_jax.metrics import AdaptiveStats
   stats = AdaptiveStats.zeros(3, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
   stats = stats.replace(estimate_BG=jnp.array([[0.95, 0.5, 0.5, 0.5]] * 3))
-  kw = dict(learning_rate=0.3, schedule=False, probe_every=8, probe_growth=2, prior=0.7,
+  kw = dict(learning_rate=0.3, probe_every=8, probe_growth=2, prior=0.7,
             forget=0.05, later_follow_first=True)
   # rows: one draft accepted / one draft rejected / two drafts, the second rejected
   args = (jnp.array([True, True, True]), jnp.array([1, 1, 2]), jnp.array([1, 0, 1]), 2,
@@ -1920,7 +1921,7 @@ def test_unverified_later_positions_drift_back_to_the_prior():
   from spec_jax.metrics import AdaptiveStats
   stats = AdaptiveStats.zeros(1, 4, (1, 2, 3, 5), initial_gamma=4, prior=0.7, probe_every=8)
   stats = stats.replace(estimate_BG=jnp.asarray([[0.5, 0.1, 0.1, 0.1]]))
-  kw = dict(learning_rate=0.5, schedule=False, probe_every=8, probe_growth=4, prior=0.7,
+  kw = dict(learning_rate=0.5, probe_every=8, probe_growth=4, prior=0.7,
             forget=0.25)
   active_B = jnp.asarray([True])
   # admitted 2, accepted 2: positions 1-2 seen and hit, 3-4 not verified
@@ -2006,11 +2007,11 @@ def test_each_source_keeps_its_own_schedule():
   row and leaves the secondary's, and the plan of a row that reads the primary reads its
   schedule. Shared, the model's misses held lookup to one draft where it agreed 90%."""
   from spec_jax.metrics import AdaptiveStats
-  stats = AdaptiveStats.zeros(2, 8, (1, 2, 3, 5, 9), 4, 0.7, 8, sources=True)
+  stats = AdaptiveStats.zeros(2, 8, (1, 2, 3, 5, 9), 4, 0.7, 8, sources=True, scheduled=True)
   stats = stats.replace(gamma_B=jnp.array([1, 1], jnp.int32))  # the model's, after misses
   source_B = jnp.array([True, False])  # row 0 drafts from lookup, row 1 from the model
   active_B = jnp.array([True, True])
-  update = functools.partial(AdaptiveStats.update, learning_rate=0.3, schedule=True,
+  update = functools.partial(AdaptiveStats.update, learning_rate=0.3,
                              probe_every=8, probe_growth=2)
   view = stats.with_source(source_B)
   np.testing.assert_array_equal(view.gamma_B, [4, 1])  # what the plan reads per row

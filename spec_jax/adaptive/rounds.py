@@ -59,7 +59,6 @@ class AdaptiveRound:
     the loop runs it; with AdaptiveRound(forced=True)): draft and verify that many on every
     row whatever the plan says, the plan still computed (so its cost is timed: a where, not
     a replacement, keeps it alive)."""
-    rules = self.config.rules
     stats: AdaptiveStats = s.metrics.adaptive
     table = self.costs_of(stats)
     force = table.force  # None: no forcing compiled in; else a width timed in this program
@@ -122,7 +121,7 @@ class AdaptiveRound:
     drafting = drafting_G[jnp.maximum(plan.size, 1) - 1]
     costs_W = jnp.asarray(table.target_W)
     new = self.drafted_or_plain(
-        s, plan.drafts, plan.probe, drafted_round, plain_steps, schedule=rules.schedule,
+        s, plan.drafts, plan.probe, drafted_round, plain_steps,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every,
         source_B=source_B,
@@ -393,8 +392,8 @@ class AdaptiveRound:
     return ~plan.drafts & (steps_to_probe(stats, remaining_B, plan.last_probe, plan.can_probe)
                            == _TO_THE_END)
 
-  def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, schedule,
-                       round_cost, budget_B, probe_every: int, catch_up_cost=0.0,
+  def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, round_cost,
+                       budget_B, probe_every: int, catch_up_cost=0.0,
                        source_B=None, later_follow_first: bool = False):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B,
@@ -434,7 +433,7 @@ class AdaptiveRound:
         round_cost(0), round_cost(w_idx) - round_cost(0) + catch_up_cost)
     stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
-        learning_rate=rules.learning_rate, schedule=schedule, probe_every=probe_every,
+        learning_rate=rules.learning_rate, probe_every=probe_every,
         probe_growth=rules.probe_growth, rounds=steps, plain_row_rounds=plain_row_rounds,
         empty_B=empty_B, prior=rules.prior, forget=rules.forget, promising=promising,
         looked=looked, later_follow_first=later_follow_first,
@@ -655,7 +654,7 @@ class AdaptiveRound:
     costs_W = jnp.asarray(self.config.cost_table.target_W)
     return self.drafted_or_plain(
         s, jnp.bool_(False), jnp.bool_(False), self.no_plain_steps, plain,
-        schedule=self.config.rules.schedule, round_cost=lambda w_idx: costs_W[w_idx],
+        round_cost=lambda w_idx: costs_W[w_idx],
         budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter),
         probe_every=self.probe_every(drafter, sampling))
 
@@ -746,7 +745,7 @@ class AdaptiveRound:
       limit_B = jnp.minimum(limit_B, useful_B)
     if rules.admit is None:
       limit_B = jnp.minimum(limit_B, planned)
-    if rules.schedule:
+    if stats.scheduled:
       limit_B = jnp.minimum(limit_B, stats.gamma_B)
     k = schedule_length(survival_BG, admitted_B, active_B, cost_G1,
                         estimate_BG if rules.lookahead else None, limit_B)
@@ -849,7 +848,7 @@ class AdaptiveTreeRound(AdaptiveRound):
                                     plan.can_probe, plan.last_probe, probe_every=probe_every)
     cost_W = jnp.asarray(self.tree_costs, jnp.float32)
     return self.drafted_or_plain(s, plan.drafts, plan.probe, tree_round, plain_steps,
-                                 schedule=False, round_cost=lambda w_idx: cost_W[w_idx],
+                                 round_cost=lambda w_idx: cost_W[w_idx],
                                  budget_B=budget_B, probe_every=probe_every)
 
   def probe_every(self, drafter: Drafter, sampling: SamplingConfig) -> int:
