@@ -261,14 +261,17 @@ class SpecMetrics:
     return self.replace(rounds=self.rounds + steps, target_calls=self.target_calls + steps,
                         rounds_B=self.rounds_B + active_steps_B,
                         tokens_B=self.tokens_B + emitted_B,
-                        accept_hist_G1=self.accept_hist_G1.at[0].add(row_rounds),
-                        position_reached_G=self.position_reached_G.at[0].add(row_rounds))
+                        accept_hist_G1=self.accept_hist_G1.at[0].add(row_rounds))
 
-  def update(self, active_B, num_accepted_B, emitted_B) -> "SpecMetrics":
+  def update(self, active_B, num_accepted_B, emitted_B, verified_B=None) -> "SpecMetrics":
+    """After a round; verified_B ([B] int32, gamma="auto"): the drafts each row verified
+    (a position past them was not reached: it was never drafted; all gamma without)."""
     gamma = self.position_reached_G.shape[0]
     active_i = active_B.astype(jnp.int32)
     i_G = jnp.arange(gamma, dtype=jnp.int32)
     reached_BG = (i_G[None, :] <= num_accepted_B[:, None]) * active_i[:, None]
+    if verified_B is not None:
+      reached_BG *= (i_G[None, :] < verified_B[:, None]).astype(jnp.int32)
     accepted_BG = (i_G[None, :] < num_accepted_B[:, None]) * active_i[:, None]
     hist_BG1 = jax.nn.one_hot(num_accepted_B, gamma + 1, dtype=jnp.int32) * active_i[:, None]
     return SpecMetrics(

@@ -133,7 +133,7 @@ def speculative_round(target: CausalLM, drafter: Drafter, gamma: int, sampling: 
 
 def commit_round(*, drafter: Drafter, draft_params, lengths_B, budget_B, eos_id, state: SpecState,
                  key, ctx: DraftContext, cache: KVCache, draft_state, draft_tokens_BG,
-                 num_accepted_B, next_B, hidden_BG1D, num_finite_B=None,
+                 num_accepted_B, next_B, hidden_BG1D, num_finite_B=None, verified_B=None,
                  **outcome_fields) -> SpecState:
   """Step 4 of a round, shared by chain and tree rounds (which pass their accepted path).
 
@@ -143,6 +143,7 @@ def commit_round(*, drafter: Drafter, draft_params, lengths_B, budget_B, eos_id,
   the drafts in order (entries past num_accepted are never kept). `outcome_fields` go to
   RoundOutcome (a tree round's tree_path_BR1). `num_finite_B` [B] (None: all): how many of
   the positions along the row's drafts (pending first) have finite target logits.
+  `verified_B` [B] (None: every draft): the drafts each row verified, for the metrics.
   """
   length_B = ctx.position_B
   new_BG1 = candidates(draft_tokens_BG, num_accepted_B, next_B)
@@ -166,7 +167,7 @@ def commit_round(*, drafter: Drafter, draft_params, lengths_B, budget_B, eos_id,
   draft_state = drafter.commit(draft_params, draft_state, outcome)
   last_kept_B = jnp.take_along_axis(new_BG1, jnp.maximum(count_B - 1, 0)[:, None], axis=1)[:, 0]
   pending_B = jnp.where(count_B > 0, last_kept_B, state.pending_B)
-  metrics = state.metrics.update(~state.done_B, num_accepted_B, count_B)
+  metrics = state.metrics.update(~state.done_B, num_accepted_B, count_B, verified_B)
   counts = None if state.counts is None else state.counts.add(new_BG1, count_B)
   return SpecState(seq_BS, pending_B, state.num_generated_B + count_B, done_B, cache, draft_state,
                    key, metrics, state.failed_B | bad_B, counts)

@@ -65,6 +65,12 @@ def test_greedy_identity_with_adaptive_lengths(stories, ragged, kind):
   m = summarize(out.metrics)
   assert sum(m["adaptive"]["width_rounds"].values()) == m["rounds"]
   assert sum(m["adaptive"]["admitted_hist"]) == m["row_rounds"]
+  # position i is reached only in row-rounds that verified a draft there (a plain step or
+  # a block cut short reaches nothing past it): position_acceptance is per verified draft
+  reached_G = np.asarray(out.metrics.position_reached_G)
+  admitted_G1 = np.asarray(m["adaptive"]["admitted_hist"])
+  assert reached_G[0] == admitted_G1[1:].sum(), (reached_G, admitted_G1)
+  assert (reached_G <= admitted_G1[::-1].cumsum()[::-1][1:]).all(), (reached_G, admitted_G1)
 
 
 def test_auto_measures_costs_and_stays_greedy_identical(stories, ragged, monkeypatch):

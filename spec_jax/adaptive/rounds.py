@@ -821,7 +821,8 @@ class AdaptiveRound:
                        draft_state=draft_state, draft_tokens_BG=drafts_BG,
                        num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
                        # rows whose logits were not finite stop there, failed
-                       num_finite_B=finite_prefix(nonfinite_rows(logits_BWV)))
+                       num_finite_B=finite_prefix(nonfinite_rows(logits_BWV)),
+                       verified_B=jnp.minimum(admitted_B, width - 1))
     return new, num_accepted_B
 
 
