@@ -10,7 +10,7 @@ Each case draws a drafter kind (every registered one; a tree for some), a batch 
 prompts of different lengths (pieces of the reference story, or short token loops that
 prompt lookup can copy), budgets per row, an EOS id or none, and either a fixed gamma or an
 `AdaptiveConfig` with random rules (confidence, survival, schedule, prior, probe spacing,
-hindsight, the prompt look, give-up) and a random supplied cost table, so the plan takes
+hindsight, the prompt look, the look-ahead, give-up) and a random supplied cost table, so the plan takes
 every kind of round. Greedy speculative output must equal `generate`'s token for token, and
 `gamma="auto"`'s rounds per width must add up to its rounds. Trained families (Medusa,
 EAGLE, MTP, DFlash, DSpark) join only with --trained-dir (folders `<kind>-<heads>` written
@@ -100,7 +100,7 @@ def draw_gamma(rng: random.Random, max_gamma: int, tree: bool):
       lookahead=rng.random() < 0.7, give_up=rng.choice([0.99, 0.5]))
   if tree:
     return AdaptiveConfig(gamma_max, rules=rules)
-  widths = WIDTHS[gamma_max]
+  widths = WIDTHS.get(gamma_max, tuple(range(1, gamma_max + 2)))
   costs = tuple(sorted(rng.uniform(0.5, 4.0) for _ in widths))
   return AdaptiveConfig(gamma_max, widths=widths, target_costs=costs,
                         draft_cost=rng.choice([0.0, 0.05, 0.3]),
@@ -121,6 +121,9 @@ def run_case(model, params, case: Case, rng: random.Random, trained_dir: Path | 
   checkpoint = None
   if case.kind in TRAINED:
     checkpoint = str(next(iter(sorted(trained_dir.glob(f"{case.kind}-*")))))
+    if case.tree is not None:  # a trained tree is as deep as the drafter's heads at most
+      heads = make_drafter(case.kind, model, params, checkpoint=checkpoint)[0].max_gamma
+      case.tree = dataclasses.replace(case.tree, depth=min(case.tree.depth, heads))
   drafter, draft_params = make_drafter(
       case.kind, model, params, draft_model=model,
       draft_params=perturbed(params, case.draft_noise, seed=rng.randint(0, 999)),
@@ -134,8 +137,10 @@ def run_case(model, params, case: Case, rng: random.Random, trained_dir: Path | 
                   gamma=case.gamma, **kw)
   m = summarize(out.metrics)
   got_BT, want_BT = np.asarray(out.tokens), np.asarray(want.tokens)
-  if not np.array_equal(out.num_tokens, want.num_tokens) or not np.array_equal(got_BT,
-                                                                               want_BT):
+  if not np.array_equal(out.num_tokens, want.num_tokens) and np.array_equal(got_BT, want_BT):
+    return False, (f"num_tokens {np.asarray(out.num_tokens).tolist()} against "
+                   f"{np.asarray(want.num_tokens).tolist()} (the tokens agree)")
+  if not np.array_equal(got_BT, want_BT):
     row = int(np.argmax(np.any(got_BT != want_BT, axis=1)))
     col = int(np.argmax(got_BT[row] != want_BT[row]))
     margin = top2_margin(model, params, case.prompts[row] + want_BT[row, :col].tolist())
@@ -143,7 +148,7 @@ def run_case(model, params, case: Case, rng: random.Random, trained_dir: Path | 
                    f"{want_BT[row, col]} (target top-2 margin there {margin:.3g}); "
                    f"num_tokens {np.asarray(out.num_tokens).tolist()} against "
                    f"{np.asarray(want.num_tokens).tolist()}")
-  if isinstance(case.gamma, AdaptiveConfig) and case.tree is None:
+  if isinstance(case.gamma, AdaptiveConfig):
     widths = sum(m["adaptive"]["width_rounds"].values())
     if widths != m["rounds"]:
       return False, f"rounds per width add up to {widths}, not the {m['rounds']} rounds"
@@ -205,9 +210,10 @@ def main(argv=None) -> int:
           f"{time.perf_counter() - start:.0f} s: {message}", flush=True)
     if not ok:
       failures += 1
-      print(f"  rerun: python scripts/fuzz_lossless.py --seed {args.seed} --only {index}"
-            f"{' --trained-dir ' + args.trained_dir if args.trained_dir else ''}\n  {case}",
-            flush=True)
+      rerun = f"--seed {args.seed} --only {index}"
+      rerun += f" --kinds {args.kinds}" if args.kinds else ""  # (the kinds drawn from)
+      rerun += f" --trained-dir {args.trained_dir}" if args.trained_dir else ""
+      print(f"  rerun: python scripts/fuzz_lossless.py {rerun}\n  {case}", flush=True)
   print(f"{failures} of {args.cases if args.only is None else 1} cases failed")
   return 1 if failures else 0
 

@@ -245,7 +245,9 @@ class SpecMetrics:
   tokens_B: jax.Array  # [B] tokens generated (the first, from prefill, included)
   accept_hist_G1: jax.Array  # [gamma+1] count of row-rounds that accepted k drafts
   position_accepted_G: jax.Array  # [gamma] row-rounds whose draft i was accepted
-  position_reached_G: jax.Array  # [gamma] row-rounds whose drafts before i were all accepted
+  # [gamma] row-rounds whose drafts before i were all accepted and which verified a draft
+  # at i (gamma="auto": not a plain step, nor past a block's cut)
+  position_reached_G: jax.Array
   adaptive: AdaptiveStats | None = None  # gamma="auto" only (spec_jax.adaptive)
 
   @classmethod

@@ -102,8 +102,10 @@ def verify_tree_round(target: CausalLM, sampling: SamplingConfig, verifier, para
 
 
 def commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s: SpecState, key,
-                      ctx, tree, draft_state, verified) -> SpecState:
-  """Step 5: the chain's commit, told the accepted path (`verified`: verify_tree_round's)."""
+                      ctx, tree, draft_state, verified, reach_B=None) -> SpecState:
+  """Step 5: the chain's commit, told the accepted path (`verified`: verify_tree_round's).
+  reach_B [B] (a tree cut by gamma="auto"): the depth of each row's deepest verified node,
+  for the metrics (no depth past it was reached)."""
   cache, path_BR1, num_accepted_B, next_B, path_hidden_BR1D, num_finite_B = verified
   path_tokens_BR = jnp.take_along_axis(tree.tokens_BN, path_BR1[:, 1:], axis=1)
   return commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
@@ -111,7 +113,7 @@ def commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s: Spe
                       draft_state=draft_state, draft_tokens_BG=path_tokens_BR,
                       num_accepted_B=num_accepted_B, next_B=next_B,
                       hidden_BG1D=path_hidden_BR1D, num_finite_B=num_finite_B,
-                      tree_path_BR1=path_BR1)
+                      verified_B=reach_B, tree_path_BR1=path_BR1)
 
 
 def tree_speculative_round(target: CausalLM, drafter: TreeDrafter, max_depth: int,

@@ -1767,6 +1767,11 @@ def test_greedy_identity_with_adaptive_trees(stories, ragged):
   assert sum(widths.values()) == m["rounds"]
   assert (m["mean_accepted"], widths) == (m_step["mean_accepted"],
                                           m_step["adaptive"]["width_rounds"])
+  # a depth counts as reached only where the row's cut tree held a node there
+  reached_G = np.asarray(stretch.metrics.position_reached_G)
+  admitted_G1 = np.asarray(m["adaptive"]["admitted_hist"])
+  assert reached_G[0] == admitted_G1[1:].sum(), (reached_G, admitted_G1)
+  assert (reached_G <= admitted_G1[::-1].cumsum()[::-1][1:]).all(), (reached_G, admitted_G1)
   with pytest.raises(ValueError, match="tree cut to its first"):
     prepare_program(model, drafter, *prompts, max_new_tokens=NEW,
                     gamma=AdaptiveConfig(widths=(1, 2, 3)))
@@ -2150,3 +2155,22 @@ def test_a_combination_drafts_from_lookup_where_its_model_is_useless(stories, re
   assert drafted >= 3
   assert m["acceptance_rate"] >= 0.8  # lookup's copies, not the random model's drafts
   assert a["acceptance_estimate"][0] < 0.3 < a["primary_acceptance_estimate"][0]
+
+
+def test_a_position_is_reached_only_where_a_draft_was_verified():
+  from spec_jax.metrics import SpecMetrics
+  m = SpecMetrics.zeros(3, 4)
+  active_B, accepted_B, emitted_B = jnp.array([True, True, False]), jnp.array([1, 0, 2]), \
+      jnp.array([2, 1, 0])
+  # row 0 verified its one draft and accepted it (a block cut at 1: position 1 was never
+  # drafted), row 1 verified two and rejected the first; row 2 is done
+  cut = m.update(active_B, accepted_B, emitted_B, verified_B=jnp.array([1, 2, 4]))
+  np.testing.assert_array_equal(cut.position_reached_G, [2, 0, 0, 0])
+  np.testing.assert_array_equal(cut.position_accepted_G, [1, 0, 0, 0])
+  # a fixed gamma verifies every draft: position 1 follows row 0's accepted first draft
+  whole = m.update(active_B, accepted_B, emitted_B)
+  np.testing.assert_array_equal(whole.position_reached_G, [2, 1, 0, 0])
+  # plain steps reach no draft
+  plain = m.after_plain_steps(jnp.int32(3), jnp.array([3, 2, 0]), jnp.array([3, 2, 0]))
+  np.testing.assert_array_equal(plain.position_reached_G, [0, 0, 0, 0])
+  assert int(plain.accept_hist_G1[0]) == 5

@@ -45,7 +45,7 @@ def test_the_fuzz_catches_a_lost_token(fuzz, capsys, monkeypatch):
   assert fuzz.main(["--seed", "5", "--cases", "1", "--kinds", "prompt_lookup"]) == 1
   out = capsys.readouterr().out
   assert "case 0: FAILED prompt_lookup" in out and "row 0 differs at generated token" in out
-  assert "top-2 margin" in out and "--seed 5 --only 0" in out and "1 of 1 cases failed" in out
+  assert "top-2 margin" in out and "--seed 5 --only 0 --kinds prompt_lookup" in out and "1 of 1 cases failed" in out
 
 
 def test_the_fuzz_refuses_unknown_kinds(fuzz, capsys):

@@ -919,7 +919,7 @@ class AdaptiveTreeRound(AdaptiveRound):
     reach_B = jnp.max(jnp.where(jnp.arange(tree.num_nodes) < num_verified, tree.depth_BN, 0),
                       axis=1)
     new = commit_tree_round(drafter, draft_params, lengths_B, budget_B, eos_id, s, key, ctx, tree,
-                            draft_state, verified)
+                            draft_state, verified, reach_B)
     _, path_BR1, num_accepted_B, *_ = verified
     stats = new.metrics.adaptive.update_nodes(
         active_B, num_verified, path_BR1, num_accepted_B,
