@@ -123,7 +123,8 @@ def run_case(model, params, case: Case, rng: random.Random, trained_dir: Path | 
     checkpoint = str(next(iter(sorted(trained_dir.glob(f"{case.kind}-*")))))
     if case.tree is not None:  # a trained tree is as deep as the drafter's heads at most
       heads = make_drafter(case.kind, model, params, checkpoint=checkpoint)[0].max_gamma
-      case.tree = dataclasses.replace(case.tree, depth=min(case.tree.depth, heads))
+      if heads is not None:  # (None: no limit, as EAGLE's)
+        case.tree = dataclasses.replace(case.tree, depth=min(case.tree.depth, heads))
   drafter, draft_params = make_drafter(
       case.kind, model, params, draft_model=model,
       draft_params=perturbed(params, case.draft_noise, seed=rng.randint(0, 999)),
