@@ -805,6 +805,7 @@ class AdaptiveRound:
     block_BW = jnp.concatenate([s.pending_B[:, None], drafts_BG[:, :width - 1]], axis=1)
     positions_BW = ctx.position_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
     logits_BWV, hidden_BWD, cache = target.apply(params, block_BW, positions_BW, s.cache)
+    verified_B = jnp.minimum(admitted_B, width - 1)  # each row's drafts in this pass
     if width == 1:  # no drafts, nothing to reject
       logits_BV = process_logits(logits_BWV[:, 0], sampling, ctx.history)
       num_accepted_B, next_B = jnp.zeros_like(s.pending_B), sample(verify_key, logits_BV, sampling)
@@ -814,7 +815,7 @@ class AdaptiveRound:
       probs = None if probs_BGV is None else probs_BGV[:, :width - 1]
       num_accepted_B, next_B = verify_admitted(
           verifier, drafts_BG[:, :width - 1], probs, logits_BWV, sampling, verify_key,
-          jnp.minimum(admitted_B, width - 1))
+          verified_B)
     hidden_BG1D = jnp.pad(hidden_BWD, ((0, 0), (0, gamma + 1 - width), (0, 0)))  # never read
     new = commit_round(drafter=drafter, draft_params=draft_params, lengths_B=lengths_B,
                        budget_B=budget_B, eos_id=eos_id, state=s, key=key, ctx=ctx, cache=cache,
@@ -822,7 +823,7 @@ class AdaptiveRound:
                        num_accepted_B=num_accepted_B, next_B=next_B, hidden_BG1D=hidden_BG1D,
                        # rows whose logits were not finite stop there, failed
                        num_finite_B=finite_prefix(nonfinite_rows(logits_BWV)),
-                       verified_B=jnp.minimum(admitted_B, width - 1))
+                       verified_B=verified_B)
     return new, num_accepted_B
 
 
