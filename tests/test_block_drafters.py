@@ -141,10 +141,11 @@ def test_plain_stretches_write_the_context_the_next_round_reads(tiny_target, kin
   assert Stretching(spec.drafter.model).skips_rounds
   prompts = pad_prompts(PROMPTS)
   reference = generate(target, tp, *prompts, max_new_tokens=40, eos_id=0)
-  # drafting pays only now and then: plain stretches between drafted rounds
+  # drafting pays only now and then: plain stretches between drafted rounds (probes, not
+  # hindsight, which finds a random drafter's guesses hopeless and never drafts again)
   config = AdaptiveConfig(DRAFTS, target_costs=(1.0, 1.5, 1.9), draft_cost=0.3,
                           rules=AdaptiveRules(confidence=0.0, survival=0.0, probe_every=4,
-                                              probe_growth=1))
+                                              probe_growth=1, hindsight=False))
   outs = [speculate(target, tp, d, spec.draft_params(own, target, tp), *prompts, gamma=config,
                     max_new_tokens=40, eos_id=0)
           for d in (Stretching(spec.drafter.model), EveryStep(spec.drafter.model))]
@@ -184,6 +185,56 @@ def test_adaptive_rounds_read_dspark_confidences(tiny_target):
   assert np.array_equal(out.tokens, reference.tokens)
   a = summarize(out.metrics)["adaptive"]
   assert a["admitted_hist"][0] > 0.8 * sum(a["admitted_hist"])  # probes admit 1, nothing else
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hindsight_and_prompt_guesses_are_the_greedy_first_drafts(tiny_target, kind):
+  """A block drafter's look back (gamma="auto"'s plain stretches learn from it instead of
+  probing): for a round started at each of the stretch's last HINDSIGHT_WIDTH pending
+  positions, whether its greedy first draft, one block over the context before it, would
+  have been the token that followed; and at the prompt, the guesses themselves. Both are
+  what propose drafts there. Draft j > 1 is slot j of that round's block, not slot 1 of a
+  later one: the hindsight speaks for the first draft alone."""
+  from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo
+  target, tp = tiny_target
+  spec, own = _random_drafter(kind, target, seed=5)
+  drafter, draft_params = spec.drafter, spec.draft_params(own, target, tp)
+  assert drafter.has_hindsight and drafter.guesses_at_init
+  assert not drafter.hindsight_speaks_for_later_drafts
+  prompts = pad_prompts(PROMPTS)
+  seq_BS = jnp.asarray(generate(target, tp, *prompts, max_new_tokens=24).sequences)
+  rows = np.arange(seq_BS.shape[0])
+  positions_BS = jnp.broadcast_to(jnp.arange(seq_BS.shape[1], dtype=jnp.int32), seq_BS.shape)
+  _, hidden, _ = target.with_feature_layers(drafter.feature_layers).apply(
+      tp, seq_BS, positions_BS, target.init_cache(*seq_BS.shape))
+  full_B = jnp.full((seq_BS.shape[0],), seq_BS.shape[1], jnp.int32)
+  # every position's context exact, as record_plain_step and commit leave it
+  state = drafter.init(draft_params, PromptInfo(seq_BS, full_B, seq_BS.shape[1], hidden))
+  ctx = lambda pos_B: DraftContext(seq_BS, jnp.asarray(pos_B), seq_BS[rows, pos_B])
+  first = jax.jit(lambda pos_B: drafter.propose(draft_params, state, ctx(pos_B), 1,
+                                                SamplingConfig(0.0), jax.random.key(0))[0][:, 0])
+  at_B = np.asarray(prompts[1]) + 14
+  rounds = 9  # more steps than the hindsight sees
+  kept, agree_BA = jax.jit(drafter.catch_up_with_hindsight, static_argnums=(3, 4))(
+      draft_params, state, ctx(at_B), rounds, DRAFTS)
+  assert agree_BA.shape == (len(at_B), HINDSIGHT_WIDTH)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), kept, state))
+  for a in range(HINDSIGHT_WIDTH):
+    pending_B = at_B - HINDSIGHT_WIDTH + a
+    followed_B = np.asarray(seq_BS)[rows, pending_B + 1]
+    np.testing.assert_array_equal(agree_BA[:, a], np.asarray(first(pending_B)) == followed_B)
+  assert 0 < np.mean(agree_BA) < 1  # both outcomes occur: the comparison can fail
+  # the look at the prompt: guesses at every prompt position, from the prefill's context
+  tokens_BP, lengths_B = prompts
+  _, prompt_hidden, _ = target.with_feature_layers(drafter.feature_layers).apply(
+      tp, tokens_BP, positions_BS[:, :tokens_BP.shape[1]], target.init_cache(*tokens_BP.shape))
+  positions_BA = np.minimum(np.arange(tokens_BP.shape[1])[None, :],
+                            np.asarray(lengths_B)[:, None] - 1).astype(np.int32)
+  _, guess_BA = jax.jit(drafter.init_with_guesses)(
+      draft_params, PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8, prompt_hidden),
+      jnp.asarray(positions_BA))
+  for a in range(positions_BA.shape[1]):
+    np.testing.assert_array_equal(guess_BA[:, a], first(positions_BA[:, a]))
 
 
 _JOINTS: dict = {}  # exact_joint runs eagerly (slow): once per sampling setting

@@ -108,7 +108,8 @@ class AdaptiveRules:
     estimates (schedule_length); False: it compares neighbours only, DSpark's scan.
   hindsight: in greedy runs of a drafter that reports its greedy guesses at each catch-up
     (Drafter.has_hindsight: a draft model, a layer skip, a quantized target, an EAGLE or
-    Medusa chain, lookup + one of those: each source its own record), plain stretches learn
+    Medusa chain, a DFlash or DSpark block (one block per position looked at), lookup + one
+    of those: each source its own record), plain stretches learn
     the estimates from them (the last
     HINDSIGHT_WIDTH positions of each catch-up), as a verified round of drafts would, and end
     when drafting pays: no probes. A stretch that found nothing counts as a probe that was
@@ -117,7 +118,7 @@ class AdaptiveRules:
     drafter's prefill yields its guesses (Drafter.init_with_guesses: a draft model, a layer
     skip, a quantized target, lookup + one of those, an EAGLE chain, whose prefill runs
     every prompt element on true features, a Medusa chain, at the positions whose token is
-    the target's greedy one): its greedy first draft after each of the prompt's last 8
+    the target's greedy one, a DFlash or DSpark block): its greedy first draft after each of the prompt's last 8
     positions against the target's greedy token there (AdaptiveProgram.prompt_look; off
     with prompt_look=False).
     Measured side by side (stop 39, one table each; the last run with these rules): the

@@ -47,9 +47,9 @@ import numpy as np
 from flax import nnx, struct
 
 from spec_jax.core.kv_cache import KVCache, write_rows
-from spec_jax.core.sampling import SamplingConfig
-from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
-from spec_jax.drafters.common import draw
+from spec_jax.core.sampling import SamplingConfig, greedy
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo, RoundOutcome
+from spec_jax.drafters.common import draw, gather_positions, window_positions
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
 from spec_jax.losses import (TOKEN_LOSSES, TargetOutputs, cross_entropy_with_integer_labels)
 from spec_jax.models.drafter_heads import BlockDrafterModel, HeadParams
@@ -119,12 +119,19 @@ class InjectedAttention(nnx.Module):
                         positions_BT, self.rope_theta)
     return k_BTKE, self.wv(x_BTD).reshape(B, T, self.n_kv_heads, self.head_dim)
 
-  def __call__(self, x_BTD, positions_BT, ctx_k_BKES, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT):
+  def __call__(self, x_BTD, positions_BT, ctx_k_BKES, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT,
+               queries=None):
+    """queries: None, or the block slots (static indices) whose outputs are wanted: keys and
+    values still cover every slot, queries only those (the masks' rows: every slot's)."""
+    k_BTKE, v_BTKE = self.kv(x_BTD, positions_BT)
+    if queries is not None:
+      x_BTD, positions_BT = x_BTD[:, queries], positions_BT[:, queries]
+      ctx_mask_BTS = ctx_mask_BTS[:, queries]
+      block_mask_BTT = None if block_mask_BTT is None else block_mask_BTT[:, queries]
     B, T, _ = x_BTD.shape
     K, Q, E = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     q_BTKQE = apply_rope(self.wq(x_BTD).reshape(B, T, K * Q, E), positions_BT,
                          self.rope_theta).reshape(B, T, K, Q, E)
-    k_BTKE, v_BTKE = self.kv(x_BTD, positions_BT)
     neg = jnp.finfo(jnp.float32).min
     ctx_BKQTS = cache_scores(q_BTKQE, ctx_k_BKES)
     ctx_BKQTS = jnp.where(ctx_mask_BTS[:, None, None], ctx_BKQTS, neg)
@@ -149,9 +156,11 @@ class DFlashLayer(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps, dtype=dt)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_BT, ctx_k_BKES, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT):
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, ctx_k_BKES, ctx_v_BKES,
-                              ctx_mask_BTS, block_mask_BTT)
+  def __call__(self, x_BTD, positions_BT, ctx_k_BKES, ctx_v_BKES, ctx_mask_BTS, block_mask_BTT,
+               queries=None):
+    attn_BTD = self.attn(self.attn_norm(x_BTD), positions_BT, ctx_k_BKES, ctx_v_BKES,
+                         ctx_mask_BTS, block_mask_BTT, queries)
+    x_BTD = (x_BTD if queries is None else x_BTD[:, queries]) + attn_BTD
     return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
@@ -170,11 +179,15 @@ class DFlashNet(nnx.Module):
   def context(self, features_BTF):
     return self.hidden_norm(self.fc(features_BTF))
 
-  def block(self, x_BTD, positions_BT, ctx_kv, ctx_mask_BTS, block_mask_BTT):
+  def block(self, x_BTD, positions_BT, ctx_kv, ctx_mask_BTS, block_mask_BTT, outputs=None):
     """The draft layers over the block -> normalised hidden states [B, T, D].
-    ctx_kv: per layer (k and v [B,K,E,S]) of the context."""
-    for layer, (k_BKES, v_BKES) in zip(self.layers, ctx_kv):
-      x_BTD = layer(x_BTD, positions_BT, k_BKES, v_BKES, ctx_mask_BTS, block_mask_BTT)
+    ctx_kv: per layer (k and v [B,K,E,S]) of the context. outputs: None, or the slots
+    (static indices) whose hidden states are wanted -> [B, len(outputs), D]: the last layer
+    then runs its queries and MLP on those alone."""
+    last = len(self.layers) - 1
+    for i, (layer, (k_BKES, v_BKES)) in enumerate(zip(self.layers, ctx_kv)):
+      x_BTD = layer(x_BTD, positions_BT, k_BKES, v_BKES, ctx_mask_BTS, block_mask_BTT,
+                    outputs if i == last else None)
     return self.norm(x_BTD)
 
 
@@ -239,6 +252,28 @@ class DFlashModel(BlockDrafterModel):
     ctx_kv = [(cache.k_LBKES[i], cache.v_LBKES[i]) for i in range(self.cache_layers)]
     return net.block(self.block_input(net, params, pending_B), positions_BT, ctx_kv,
                      ctx_mask_B1S, None)
+
+  def first_slot_hidden(self, params: HeadParams, pending_BA, positions_BA, cache: KVCache):
+    """A blocks per row in one pass, block a as `draft_hidden` would run it for a round whose
+    pending token pending_BA[:, a] sat at positions_BA[:, a] (the cached context at slots
+    below it, and its own block; never the other blocks) -> the normalised hidden state of
+    each block's slot 1 [B, A, D], what that round's first draft is read from. Hindsight's
+    look at where rounds would have started (catch_up_with_hindsight, init_with_guesses)."""
+    net = self.module(params.own)
+    batch, num_blocks = pending_BA.shape
+    size, n = self.block_size, num_blocks * self.block_size
+    x_BND = self.block_input(net, params, pending_BA.reshape(-1)).reshape(batch, n, self.dim)
+    positions_BN = (positions_BA[:, :, None]
+                    + jnp.arange(size, dtype=jnp.int32)[None, None, :]).reshape(batch, n)
+    anchor_BN = jnp.repeat(positions_BA, size, axis=1)
+    ctx_mask_BNS = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :] < anchor_BN[:, :, None]
+    block_id_N = np.repeat(np.arange(num_blocks), size)
+    block_mask_1NN = jnp.asarray(block_id_N[:, None] == block_id_N[None, :])[None]
+    ctx_kv = [(cache.k_LBKES[i], cache.v_LBKES[i]) for i in range(self.cache_layers)]
+    # (the last layer's queries and MLP at slot 1 only: 8 blocks of 4 with stories260K's
+    # 1-layer DFlash took 0.15 ms in a loop on this CPU, against 0.44 ms for every slot)
+    slot_1 = np.arange(num_blocks) * size + 1
+    return net.block(x_BND, positions_BN, ctx_kv, ctx_mask_BNS, block_mask_1NN, slot_1)
 
   def train_hidden(self, params: HeadParams, features_BTF, tokens_BT, anchors_BA):
     """Teacher-forced blocks at A anchors per row of whole sequences -> [B, A, block, D].
@@ -335,6 +370,28 @@ class DFlashDrafter(Drafter):
   def init(self, params, prompt: PromptInfo) -> DFlashState:
     return block_init(self.model, params, prompt)
 
+  def first_draft_logits(self, params, h_BAD, pending_BA):
+    """[B, A, V]: the logits a round's first draft is drawn from, given its block's slot-1
+    hidden state and its pending token (DFlash's head reads the hidden state alone)."""
+    del pending_BA
+    return params.shared.logits(h_BAD)
+
+  def first_drafts(self, params, pending_BA, positions_BA, cache: KVCache):
+    """[B, A] int32: the greedy first draft of a round whose pending token pending_BA[:, a]
+    sat at positions_BA[:, a], over the context cached below it."""
+    h_BAD = self.model.first_slot_hidden(params, pending_BA, positions_BA, cache)
+    return greedy(self.first_draft_logits(params, h_BAD, pending_BA)).astype(jnp.int32)
+
+  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
+    # the prefill writes every prompt position's context: a round at q reads slots < q
+    state = self.init(params, prompt)
+    pending_BA = jnp.take_along_axis(prompt.tokens_BP, positions_BA, axis=1)
+    return state, self.first_drafts(params, pending_BA, positions_BA, state.cache)
+
+  @property
+  def guesses_at_init(self) -> bool:
+    return True
+
   def propose(self, params, state: DFlashState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     h_BKD = self.model.draft_hidden(params, ctx.pending_B, ctx.position_B, state.cache)
@@ -358,6 +415,25 @@ class DFlashDrafter(Drafter):
 
   def catch_up_after(self, params, state, ctx: DraftContext, rounds: int, gamma: int):
     return state
+
+  @property
+  def has_hindsight(self) -> bool:
+    return True
+
+  @property
+  def hindsight_speaks_for_later_drafts(self) -> bool:
+    return False  # draft j is slot j of the round's own block, not slot 1 of a later block
+
+  def catch_up_with_hindsight(self, params, state, ctx: DraftContext, rounds: int,
+                              gamma: int):
+    # the stretch's plain steps wrote every position's context below L (record_plain_step):
+    # entry a is the round whose pending token sat at q = L - A + a, one block each, and its
+    # first draft predicts x_{q+1}, known for every such q (x_L is the pending token)
+    seen = min(rounds + 1, HINDSIGHT_WIDTH)
+    q_BA = jnp.maximum(window_positions(ctx.position_B, seen), 0)
+    pending_BA = gather_positions(ctx.seq_BS, q_BA)
+    guess_BA = self.first_drafts(params, pending_BA, q_BA, state.cache)
+    return state, guess_BA == gather_positions(ctx.seq_BS, q_BA + 1)
 
   def record_plain_step(self, params, state, hidden_BD, position_B, fed_B):
     # the step's one position of context, as commit writes a verified round's (a row that

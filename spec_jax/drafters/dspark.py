@@ -130,6 +130,11 @@ class DSparkDrafter(DFlashDrafter):
     # the adaptive rounds' lossless condition asks (columns past gamma are zeros, unread)
     return state.confidence_BJ
 
+  def first_draft_logits(self, params: HeadParams, h_BAD, pending_BA):
+    # slot 1's base logits, and the Markov bias from the token before it: the pending one
+    base_BAV = params.shared.logits(h_BAD)
+    return base_BAV + self.model.module(params.own).markov(pending_BA)[1]
+
   def propose(self, params: HeadParams, state: DSparkState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):
     h_BKD = self.model.draft_hidden(params, ctx.pending_B, ctx.position_B, state.cache)
