@@ -161,8 +161,8 @@ def test_plain_stretches_write_the_context_the_next_round_reads(tiny_target, kin
 
 def test_adaptive_rounds_read_dspark_confidences(tiny_target):
   # gamma="auto" truncates DSpark's blocks with its confidence head: greedy output unchanged,
-  # and confidences of 0 (a head that expects every draft to fail) admit nothing but probes
-  from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
+  # and confidences of 0 (a head that expects every draft to fail) admit next to nothing
+  from spec_jax.adaptive import AdaptiveConfig
   from spec_jax.engine import speculate
   target, tp = tiny_target
   spec, own = _random_drafter("dspark", target)
@@ -184,7 +184,7 @@ def test_adaptive_rounds_read_dspark_confidences(tiny_target):
                   eos_id=0)
   assert np.array_equal(out.tokens, reference.tokens)
   a = summarize(out.metrics)["adaptive"]
-  assert a["admitted_hist"][0] > 0.8 * sum(a["admitted_hist"])  # probes admit 1, nothing else
+  assert a["admitted_hist"][0] > 0.8 * sum(a["admitted_hist"])  # a probe's one draft at most
 
 
 @pytest.mark.parametrize("kind", KINDS)
