@@ -184,7 +184,7 @@ def test_adaptive_rounds_read_dspark_confidences(tiny_target):
                   eos_id=0)
   assert np.array_equal(out.tokens, reference.tokens)
   a = summarize(out.metrics)["adaptive"]
-  assert a["admitted_hist"][0] > 0.8 * sum(a["admitted_hist"])  # a probe's one draft at most
+  assert a["admitted_hist"][0] > 0.8 * sum(a["admitted_hist"])  # nearly every round: none
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -224,7 +224,8 @@ def test_hindsight_and_prompt_guesses_are_the_greedy_first_drafts(tiny_target, k
     followed_B = np.asarray(seq_BS)[rows, pending_B + 1]
     np.testing.assert_array_equal(agree_BA[:, a], np.asarray(first(pending_B)) == followed_B)
   assert 0 < np.mean(agree_BA) < 1  # both outcomes occur: the comparison can fail
-  # the look at the prompt: guesses at every prompt position, from the prefill's context
+  # the look at the prompt: guesses at every prompt position after the first, from the
+  # prefill's context
   tokens_BP, lengths_B = prompts
   _, prompt_hidden, _ = target.with_feature_layers(drafter.feature_layers).apply(
       tp, tokens_BP, positions_BS[:, :tokens_BP.shape[1]], target.init_cache(*tokens_BP.shape))
@@ -234,7 +235,9 @@ def test_hindsight_and_prompt_guesses_are_the_greedy_first_drafts(tiny_target, k
       draft_params, PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8, prompt_hidden),
       jnp.asarray(positions_BA))
   for a in range(positions_BA.shape[1]):
-    np.testing.assert_array_equal(guess_BA[:, a], first(positions_BA[:, a]))
+    q_B = positions_BA[:, a]  # (none at q = 0: no round starts there)
+    np.testing.assert_array_equal(guess_BA[:, a], np.where(q_B > 0, first(q_B), -1))
+  assert (guess_BA[:, 0] == -1).all() and (guess_BA[:, 1:] >= 0).any()
 
 
 _JOINTS: dict = {}  # exact_joint runs eagerly (slow): once per sampling setting

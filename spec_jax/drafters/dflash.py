@@ -266,7 +266,8 @@ class DFlashModel(BlockDrafterModel):
     positions_BN = (positions_BA[:, :, None]
                     + jnp.arange(size, dtype=jnp.int32)[None, None, :]).reshape(batch, n)
     anchor_BN = jnp.repeat(positions_BA, size, axis=1)
-    ctx_mask_BNS = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :] < anchor_BN[:, :, None]
+    slots_11S = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]
+    ctx_mask_BNS = slots_11S < anchor_BN[:, :, None]
     block_id_N = np.repeat(np.arange(num_blocks), size)
     block_mask_1NN = jnp.asarray(block_id_N[:, None] == block_id_N[None, :])[None]
     ctx_kv = [(cache.k_LBKES[i], cache.v_LBKES[i]) for i in range(self.cache_layers)]
@@ -383,10 +384,12 @@ class DFlashDrafter(Drafter):
     return greedy(self.first_draft_logits(params, h_BAD, pending_BA)).astype(jnp.int32)
 
   def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
-    # the prefill writes every prompt position's context: a round at q reads slots < q
+    # the prefill writes every prompt position's context: a round at q reads slots < q. None
+    # at q = 0: no round starts there, and training never anchors a block with no context
     state = self.init(params, prompt)
     pending_BA = jnp.take_along_axis(prompt.tokens_BP, positions_BA, axis=1)
-    return state, self.first_drafts(params, pending_BA, positions_BA, state.cache)
+    guess_BA = self.first_drafts(params, pending_BA, positions_BA, state.cache)
+    return state, jnp.where(positions_BA > 0, guess_BA, -1)
 
   @property
   def guesses_at_init(self) -> bool:
