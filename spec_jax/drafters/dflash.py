@@ -260,21 +260,35 @@ class DFlashModel(BlockDrafterModel):
     each block's slot 1 [B, A, D], what that round's first draft is read from. Hindsight's
     look at where rounds would have started (catch_up_with_hindsight, init_with_guesses)."""
     net = self.module(params.own)
-    batch, num_blocks = pending_BA.shape
-    size, n = self.block_size, num_blocks * self.block_size
-    x_BND = self.block_input(net, params, pending_BA.reshape(-1)).reshape(batch, n, self.dim)
-    positions_BN = (positions_BA[:, :, None]
-                    + jnp.arange(size, dtype=jnp.int32)[None, None, :]).reshape(batch, n)
-    anchor_BN = jnp.repeat(positions_BA, size, axis=1)
-    slots_11S = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]
-    ctx_mask_BNS = slots_11S < anchor_BN[:, :, None]
-    block_id_N = np.repeat(np.arange(num_blocks), size)
-    block_mask_1NN = jnp.asarray(block_id_N[:, None] == block_id_N[None, :])[None]
     ctx_kv = [(cache.k_LBKES[i], cache.v_LBKES[i]) for i in range(self.cache_layers)]
     # (the last layer's queries and MLP at slot 1 only: 8 blocks of 4 with stories260K's
     # 1-layer DFlash took 0.15 ms in a loop on this CPU, against 0.44 ms for every slot)
-    slot_1 = np.arange(num_blocks) * size + 1
-    return net.block(x_BND, positions_BN, ctx_kv, ctx_mask_BNS, block_mask_1NN, slot_1)
+    slot_1 = np.arange(pending_BA.shape[1]) * self.block_size + 1
+    positions_BN, ctx_mask_BNS, block_mask_1NN = self.anchored_layout(positions_BA,
+                                                                      cache.max_len)
+    return net.block(self.anchored_input(net, params, pending_BA), positions_BN, ctx_kv,
+                     ctx_mask_BNS, block_mask_1NN, slot_1)
+
+  def anchored_input(self, net, params: HeadParams, pending_BA):
+    """[B, A * block_size, D]: block_input of each of A blocks per row, one after another."""
+    batch, num_blocks = pending_BA.shape
+    return self.block_input(net, params, pending_BA.reshape(-1)).reshape(
+        batch, num_blocks * self.block_size, self.dim)
+
+  def anchored_layout(self, anchors_BA, num_slots: int):
+    """A blocks per row laid out one after another (N = A * block_size), block a at
+    positions anchors_BA[:, a] .. + block_size - 1 -> (positions [B, N], context mask
+    [B, N, S]: the slots below its anchor, block mask [1, N, N]: itself, never the others),
+    net.block's arguments around the context."""
+    batch, num_blocks = anchors_BA.shape
+    size = self.block_size
+    positions_BN = (anchors_BA[:, :, None] + jnp.arange(size, dtype=jnp.int32)).reshape(
+        batch, num_blocks * size)
+    anchor_BN = jnp.repeat(anchors_BA, size, axis=1)
+    ctx_mask_BNS = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :] < anchor_BN[:, :, None]
+    block_id_N = np.repeat(np.arange(num_blocks), size)
+    block_mask_1NN = jnp.asarray(block_id_N[:, None] == block_id_N[None, :])[None]
+    return positions_BN, ctx_mask_BNS, block_mask_1NN
 
   def train_hidden(self, params: HeadParams, features_BTF, tokens_BT, anchors_BA):
     """Teacher-forced blocks at A anchors per row of whole sequences -> [B, A, block, D].
@@ -284,7 +298,7 @@ class DFlashModel(BlockDrafterModel):
     """
     net = self.module(params.own)
     batch, length = tokens_BT.shape
-    num_anchors, size = anchors_BA.shape[1], self.block_size
+    num_anchors = anchors_BA.shape[1]
     positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     ctx_BTD = net.context(features_BTF)
     ctx_kv = []
@@ -292,19 +306,10 @@ class DFlashModel(BlockDrafterModel):
       k_BTKE, v_BTKE = layer.attn.kv(ctx_BTD, positions_BT)
       ctx_kv.append((k_BTKE.transpose(0, 2, 3, 1), v_BTKE.transpose(0, 2, 3, 1)))
     anchor_tokens_BA = jnp.take_along_axis(tokens_BT, anchors_BA, axis=1)
-    mask_D = net.mask_embed[...]
-    x_BAKD = jnp.concatenate([
-        params.shared.embed(anchor_tokens_BA)[:, :, None].astype(mask_D.dtype),
-        jnp.broadcast_to(mask_D, (batch, num_anchors, size - 1, self.dim))], axis=2)
-    block_pos_BAK = anchors_BA[:, :, None] + jnp.arange(size, dtype=jnp.int32)
-    n = num_anchors * size
-    anchor_BN = jnp.repeat(anchors_BA, size, axis=1)
-    ctx_mask_BNS = jnp.arange(length)[None, None, :] < anchor_BN[:, :, None]
-    block_id_N = np.repeat(np.arange(num_anchors), size)
-    block_mask_1NN = jnp.asarray(block_id_N[:, None] == block_id_N[None, :])[None]
-    h_BND = net.block(x_BAKD.reshape(batch, n, self.dim), block_pos_BAK.reshape(batch, n),
-                      ctx_kv, ctx_mask_BNS, block_mask_1NN)
-    return h_BND.reshape(batch, num_anchors, size, self.dim)
+    positions_BN, ctx_mask_BNS, block_mask_1NN = self.anchored_layout(anchors_BA, length)
+    h_BND = net.block(self.anchored_input(net, params, anchor_tokens_BA), positions_BN, ctx_kv,
+                      ctx_mask_BNS, block_mask_1NN)
+    return h_BND.reshape(batch, num_anchors, self.block_size, self.dim)
 
 
 # --- the drafter ----------------------------------------------------------------------------------
