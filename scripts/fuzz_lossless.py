@@ -50,6 +50,12 @@ WIDTHS = {1: (1, 2), 2: (1, 2, 3), 3: (1, 2, 4), 4: (1, 2, 3, 5), 8: (1, 2, 3, 5
 TRAINED = tuple(name for name, fam in families().items() if fam.trained and fam.build is None)
 
 
+def trained_family(kind: str) -> str | None:
+  """The trained family a kind loads from --trained-dir ("lookup+eagle": eagle), or None."""
+  name = kind.split("+")[-1]
+  return name if name in TRAINED else None
+
+
 @dataclasses.dataclass
 class Case:
   kind: str
@@ -119,8 +125,8 @@ def top2_margin(model, params, sequence: list[int]) -> float:
 def run_case(model, params, case: Case, rng: random.Random, trained_dir: Path | None):
   """-> (ok, message)."""
   checkpoint = None
-  if case.kind in TRAINED:
-    checkpoint = str(next(iter(sorted(trained_dir.glob(f"{case.kind}-*")))))
+  if trained_family(case.kind):
+    checkpoint = str(next(iter(sorted(trained_dir.glob(f"{trained_family(case.kind)}-*")))))
     if case.tree is not None:  # a trained tree is as deep as the drafter's heads at most
       heads = make_drafter(case.kind, model, params, checkpoint=checkpoint)[0].max_gamma
       if heads is not None:  # (None: no limit, as EAGLE's)
@@ -184,8 +190,8 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   trained_dir = Path(args.trained_dir) if args.trained_dir else None
-  missing = [k for k in usable if k in TRAINED
-             and (trained_dir is None or not any(trained_dir.glob(f"{k}-*")))]
+  missing = [k for k in usable if trained_family(k)
+             and (trained_dir is None or not any(trained_dir.glob(f"{trained_family(k)}-*")))]
   if missing:
     print(f"left out (no trained drafter in --trained-dir): {', '.join(missing)}")
     usable = [k for k in usable if k not in missing]

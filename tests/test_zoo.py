@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 NEW = 6
 FEW_LAYERS = 4
 # on the whole model: the shipped drafters, lookup, and the block drafters (they read target
-# layers picked from all 30)
-FULL_KINDS = ("prompt_lookup", "eagle", "mtp", "dflash", "dspark")
+# layers picked from all 30), alone and behind lookup
+FULL_KINDS = ("prompt_lookup", "eagle", "mtp", "dflash", "dspark", "lookup+dflash",
+              "lookup+dspark")
 GAMMA = 2
 QUESTION = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -59,20 +60,23 @@ def references(smollm2, chat_batch):
 
 
 def _build(kind, model, params, tmp_path):
-  """Any registered kind for SmolLM2: shipped files for the trained kinds that have them,
-  untrained exports for the others; a 2-layer truncation of SmolLM2 as the draft model."""
+  """Any registered kind for SmolLM2: shipped files for the FULL_KINDS that have them,
+  untrained exports for the others (on the FEW_LAYERS truncation); a 1-layer truncation of
+  SmolLM2 as the draft model."""
   from spec_jax import make_drafter
   from spec_jax.drafters import registry
   from spec_jax.drafters.layer_skip import truncated_model
   from spec_jax.models.zoo import zoo_drafter
   fam, combined = registry.resolve(kind)
   opts = dict(draft_model=truncated_model(model, 1), draft_params=params, num_layers=2)
-  if fam.trained is not None and combined is None:
-    folder = zoo_drafter("smollm2", kind)
+  family = combined or fam  # "lookup+<family>": that family's files (untrained, on FEW_LAYERS)
+  if family.trained is not None and (combined is None or family.build is None):
+    folder = zoo_drafter("smollm2", family.name) if kind in FULL_KINDS else None
     if folder is None:
       from spec_jax.training import distill
-      spec = distill.make_spec(kind, model, num_heads=GAMMA)
-      folder = distill.export_drafter(tmp_path / kind, spec, spec.init_params(jax.random.key(1)))
+      spec = distill.make_spec(family.name, model, num_heads=GAMMA)
+      folder = distill.export_drafter(tmp_path / family.name, spec,
+                                      spec.init_params(jax.random.key(1)))
     opts["checkpoint"] = folder
   return make_drafter(kind, model, params, **opts)
 

@@ -191,7 +191,16 @@ class FallbackDrafter(Drafter):
     limits = [m for m in (self.primary.max_gamma, self.secondary.max_gamma) if m is not None]
     return min(limits) if limits else None
 
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    # the target layers a DFlash or DSpark secondary reads besides the last (both parts see
+    # one hidden-state layout, [last ; those layers]: check() keeps the primary off them)
+    return tuple(self.secondary.feature_layers)
+
   def check(self, target, gamma: int) -> None:
+    if self.primary.feature_layers:
+      raise ValueError(f"{type(self).__name__}: the primary ({type(self.primary).__name__}) "
+                       "reads target layers; only the secondary may")
     for part in (self.primary, self.secondary):
       part.check(target, gamma)
       if isinstance(part, DraftModelDrafter) and not isinstance(part, ResyncDraftModelDrafter):
@@ -332,13 +341,21 @@ class FallbackDrafter(Drafter):
 FALLBACK_MIN_NGRAM = 2
 
 
-def lookup_or(drafter: DraftModelDrafter, params, opts: BuildOptions):
-  """Prompt lookup where it matches, else `drafter`'s model (resynced: see above)."""
+def lookup_or(drafter: Drafter, params, opts: BuildOptions):
+  """Prompt lookup where it matches, else `drafter`: a draft model's model, resynced (see
+  above), or a drafter that reads the target's hidden states (Medusa, EAGLE, MTP, DFlash,
+  DSpark) as it is. Their state follows the target alone: `commit` stores the round's
+  verified hidden states and tokens, whichever drafter's drafts were verified, and the next
+  `propose` starts from them (EAGLE's and MTP's window re-feeds the true features, DFlash's
+  context K/V comes from the target), so rows that took lookup's drafts leave nothing wrong
+  behind (tests/test_drafters.py compares its drafts after such rounds with a fresh one's)."""
   min_ngram = min(FALLBACK_MIN_NGRAM, opts.max_ngram) if opts.min_ngram is None else opts.min_ngram
-  return (FallbackDrafter(PromptLookupDrafter(opts.max_ngram, min_ngram),
-                          ResyncDraftModelDrafter(drafter.model)), (None, params))
+  secondary = (ResyncDraftModelDrafter(drafter.model) if isinstance(drafter, DraftModelDrafter)
+               else drafter)
+  return (FallbackDrafter(PromptLookupDrafter(opts.max_ngram, min_ngram), secondary),
+          (None, params))
 
 
-register(DrafterFamily(name="lookup", summary="prompt lookup where it matches, else a draft "
-                       "model (rows choose per round): lookup+<model family>",
+register(DrafterFamily(name="lookup", summary="prompt lookup where it matches, else the other "
+                       "drafter (rows choose per round): lookup+<family>",
                        combine=lookup_or))

@@ -554,6 +554,7 @@ register(DrafterFamily(
     name="dflash",
     summary="a block drafter: one parallel pass over [pending, MASK...] conditioned on several "
             "target layers (trained; --num-heads: drafts per block)",
+    combinable=True,
     trained=Trained(
         new_model=_new_model,
         model_from_config=lambda config: DFlashModel(DFlashConfig.from_dict(config)),

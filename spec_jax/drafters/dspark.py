@@ -195,6 +195,7 @@ register(DrafterFamily(
     name="dspark",
     summary="DFlash's block backbone + a Markov head (semi-autoregressive drafts) and per-draft "
             "confidences (trained; --num-heads: drafts per block)",
+    combinable=True,
     trained=Trained(
         new_model=_new_model,
         model_from_config=lambda config: DSparkModel(DSparkConfig.from_dict(config)),

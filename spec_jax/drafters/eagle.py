@@ -291,6 +291,7 @@ def _new_model(target, sizes: DrafterSizes):
 register(DrafterFamily(
     name="eagle", summary="a one-layer decoder drafting in the target's feature space (trained)",
     tree=True,
+    combinable=True,
     trained=Trained(
         new_model=_new_model,
         model_from_config=lambda config: EagleModel(EagleConfig(

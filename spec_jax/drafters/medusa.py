@@ -279,6 +279,7 @@ def _model_from_config(config: dict):
 register(DrafterFamily(
     name="medusa", summary="K residual heads on the target's last hidden state (trained)",
     tree=True,
+    combinable=True,
     trained=Trained(new_model=_new_model, model_from_config=_model_from_config,
                     chain=MedusaDrafter,
                     tree=_tree_drafter,

@@ -301,6 +301,7 @@ def _new_model(target, sizes: DrafterSizes):
 register(DrafterFamily(
     name="mtp", summary="DeepSeek-V3-style sequential multi-token-prediction modules (trained)",
     tree=True,
+    combinable=True,
     trained=Trained(
         new_model=_new_model,
         model_from_config=lambda config: MTPModel(MTPConfig(

@@ -102,7 +102,9 @@ class DrafterFamily:
   build: Callable[[Any, Any, BuildOptions], tuple[Any, Any]] | None = None
   trained: Trained | None = None
   tree: bool = False  # has a token-tree drafter (build or trained.tree honours opts.tree)
-  combinable: bool = False  # its chain drafter is a draft model a combination can resync
+  # its chain drafter may be a combination's other side: a draft model (resynced there), or
+  # a drafter whose state follows the target's verified tokens and hidden states alone
+  combinable: bool = False
   # a combinator: (the other family's chain drafter, its params, options) -> (drafter, params)
   combine: Callable[[Any, Any, BuildOptions], tuple[Any, Any]] | None = None
 
