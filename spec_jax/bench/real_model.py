@@ -85,6 +85,8 @@ REAL_DRAFTERS = [
     (f"lookup + layer skip {LAYER_SKIP}/30", "lookup+layer_skip", {"num_layers": LAYER_SKIP}, 4),
     (f"lookup + layer skip {LAYER_SKIP}/30", "lookup+layer_skip", {"num_layers": LAYER_SKIP},
      "auto"),
+    ("lookup + DFlash (trained, int8)", "lookup+dflash", {}, 3),
+    ("lookup + DFlash (trained, int8)", "lookup+dflash", {}, "auto"),
 ]
 
 
@@ -104,8 +106,9 @@ def real_drafters(target, params, labels=None) -> tuple[list, list[str]]:
   for label, kind, opts, gamma in REAL_DRAFTERS:
     if labels is not None and kind not in labels:
       continue
-    if kind in registry.trained_kinds():
-      path = zoo_drafter("smollm2", kind)
+    family = kind.split("+")[-1]  # "lookup+dflash": the shipped DFlash behind lookup
+    if family in registry.trained_kinds():
+      path = zoo_drafter("smollm2", family)
       if path is None:
         notes.append(f"skipped {label}: no shipped drafter file")
         continue
