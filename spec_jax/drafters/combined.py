@@ -22,7 +22,9 @@ rows all copy at lookup's cost.
 Whatever each drafter keeps across rounds must stay right on rows that took the other's
 tokens: `commit` sees the drafts the verifier saw, which there are not its own. A plain
 DraftModelDrafter assumes they are (its cache keeps its own drafts up to the accepted
-count), so inside a combination use ResyncDraftModelDrafter.
+count), so inside a combination use ResyncDraftModelDrafter. Drafters that read the target's
+hidden states (Medusa, EAGLE, MTP, DFlash, DSpark) keep only what the target verified, and
+combine as they are (`lookup+eagle`).
 """
 
 from __future__ import annotations
@@ -348,7 +350,8 @@ def lookup_or(drafter: Drafter, params, opts: BuildOptions):
   verified hidden states and tokens, whichever drafter's drafts were verified, and the next
   `propose` starts from them (EAGLE's and MTP's window re-feeds the true features, DFlash's
   context K/V comes from the target), so rows that took lookup's drafts leave nothing wrong
-  behind (tests/test_drafters.py compares its drafts after such rounds with a fresh one's)."""
+  behind (tests/test_combinations.py compares its drafts after such rounds with a fresh
+  one's)."""
   min_ngram = min(FALLBACK_MIN_NGRAM, opts.max_ngram) if opts.min_ngram is None else opts.min_ngram
   secondary = (ResyncDraftModelDrafter(drafter.model) if isinstance(drafter, DraftModelDrafter)
                else drafter)
