@@ -26,11 +26,11 @@ from test_speculative import (DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, VOCAB, exact
 HIDDEN_STATE_KINDS = ("medusa", "eagle", "mtp", "dflash", "dspark")
 GAMMA = 3
 NEW = 40
+# the rows stop short of NEW: drafts proposed at their final context have room in the run's
+# caches (a drafter writes its drafts' slots; the program sizes them for rounds within budget)
+BUDGETS = [NEW - 2 * GAMMA, NEW - GAMMA]
 # flat costs and free drafting: the rounds draft whatever the rules admit (a start-up table on
 # this CPU rules a random drafter's rounds out, and the run would be plain steps alone)
-# the longer prompt stops early: its drafts at the final context have room in the run's caches
-# (a drafter writes its drafts' slots; the program sizes them for rounds within the budgets)
-BUDGETS = [NEW - 2 * GAMMA, NEW - GAMMA]
 FREE_DRAFTING = AdaptiveConfig(GAMMA, target_costs=(1.0, 1.0, 1.0, 1.0), draft_cost=0.0)
 
 
