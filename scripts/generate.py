@@ -24,6 +24,7 @@ from spec_jax import (SamplingConfig, TreeOptions, drafter_kinds, generate, pad_
 from spec_jax import cli
 from spec_jax import make_drafter as build_drafter
 from spec_jax.core.errors import BadArgument, CheckpointError, TokenizerError
+from spec_jax.drafters import registry
 from spec_jax.generate import failure_message
 from spec_jax.models.llama import LAYOUTS
 
@@ -159,6 +160,11 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
     draft_tok = find_tokenizer_path(args.draft_model)
     if draft_tok is not None:
       check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
+  family = registry.family(kind.split("+")[-1])  # "lookup+eagle": EAGLE's files
+  if checkpoint is None and family.build is None:  # trained only, none shipped for this model
+    raise BadArgument(f"--draft {kind}: {family.name} is a trained drafter and none ships for "
+                      "this model; pass --draft-checkpoint DIR (scripts/train_drafter.py "
+                      "--export-dir)")
   try:
     drafter, dparams = build_drafter(kind, target, params, draft_model=draft_model,
                                      draft_params=draft_params, checkpoint=checkpoint,

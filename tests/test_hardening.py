@@ -641,6 +641,9 @@ BAD_FLAGS = [  # (script, argv, exit status, what the one line must say)
      2, "a Medusa tree of depth 12 needs as many heads; the model has 2"),
     ("generate", ["hi", "--draft", "medusa", "--draft-checkpoint", "/nonexistent"], 1,
      "not an exported drafter"),
+    ("generate", ["hi", "--draft", "lookup+medusa"], 2,
+     "--draft lookup+medusa: medusa is a trained drafter and none ships for this model; pass "
+     "--draft-checkpoint DIR"),
     ("generate", [], 2, "the following arguments are required: prompts"),
     ("train_drafter", ["--kind", "medusa", "--model", "x", "--steps", "0"], 2,
      "argument --steps: must be an integer >= 1, got 0"),
