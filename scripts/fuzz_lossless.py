@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 
 from spec_jax import generate, make_drafter, pad_prompts, speculate, summarize  # noqa: E402
 from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules  # noqa: E402
-from spec_jax.drafters.registry import TreeOptions, families, kinds, tree_kinds  # noqa: E402
+from spec_jax.drafters.registry import (  # noqa: E402
+    TreeOptions, families, kinds, model_family, tree_kinds)
 from spec_jax.testing import REFERENCE_DIR, REFERENCE_STEM, STORIES_DIR, perturbed  # noqa: E402
 
 NEW_TOKENS = (5, 17, 33, 48)
@@ -52,7 +53,7 @@ TRAINED = tuple(name for name, fam in families().items() if fam.trained and fam.
 
 def trained_family(kind: str) -> str | None:
   """The trained family a kind loads from --trained-dir ("lookup+eagle": eagle), or None."""
-  name = kind.split("+")[-1]
+  name = model_family(kind).name
   return name if name in TRAINED else None
 
 
@@ -125,8 +126,9 @@ def top2_margin(model, params, sequence: list[int]) -> float:
 def run_case(model, params, case: Case, rng: random.Random, trained_dir: Path | None):
   """-> (ok, message)."""
   checkpoint = None
-  if trained_family(case.kind):
-    checkpoint = str(next(iter(sorted(trained_dir.glob(f"{trained_family(case.kind)}-*")))))
+  family = trained_family(case.kind)
+  if family:
+    checkpoint = str(next(iter(sorted(trained_dir.glob(f"{family}-*")))))
     if case.tree is not None:  # a trained tree is as deep as the drafter's heads at most
       heads = make_drafter(case.kind, model, params, checkpoint=checkpoint)[0].max_gamma
       if heads is not None:  # (None: no limit, as EAGLE's)

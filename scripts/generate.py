@@ -160,7 +160,7 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
     draft_tok = find_tokenizer_path(args.draft_model)
     if draft_tok is not None:
       check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
-  family = registry.family(kind.split("+")[-1])  # "lookup+eagle": EAGLE's files
+  family = registry.model_family(kind)  # "lookup+eagle": EAGLE's files
   if checkpoint is None and family.build is None:  # trained only, none shipped for this model
     raise BadArgument(f"--draft {kind}: {family.name} is a trained drafter and none ships for "
                       "this model; pass --draft-checkpoint DIR (scripts/train_drafter.py "

@@ -20,6 +20,7 @@ from spec_jax.engine import speculate
 from spec_jax.generate import generate, pad_prompts, prefill_all
 from spec_jax.metrics import summarize
 from spec_jax.training import distill
+from test_trained_drafters import _random_head
 from test_speculative import (DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, VOCAB, exact_joint,
                               pvalue_vs_exact)
 
@@ -38,16 +39,10 @@ def test_every_trained_family_combines_with_lookup():
   assert {f"lookup+{k}" for k in HIDDEN_STATE_KINDS} <= set(registry.kinds())
 
 
-def _export(kind, model, tmp_path, seed=1, scale=0.0):
+def _export(kind, model, tmp_path, scale=0.0):
   """An exported drafter of `kind` for `model`: its initial weights, plus noise of `scale`
   (Medusa starts as the target's own head; noise makes its drafts its own)."""
-  spec = distill.make_spec(kind, model, num_heads=GAMMA)
-  own = spec.init_params(jax.random.key(seed))
-  if scale:
-    leaves, treedef = jax.tree.flatten(own)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    own = jax.tree.unflatten(treedef, [leaf + scale * jax.random.normal(k, leaf.shape, leaf.dtype)
-                                       for leaf, k in zip(leaves, keys)])
+  spec, own = _random_head(kind, model, seed=1, scale=scale, num_heads=GAMMA)
   return distill.export_drafter(tmp_path / kind, spec, own)
 
 

@@ -106,7 +106,7 @@ def real_drafters(target, params, labels=None) -> tuple[list, list[str]]:
   for label, kind, opts, gamma in REAL_DRAFTERS:
     if labels is not None and kind not in labels:
       continue
-    family = kind.split("+")[-1]  # "lookup+dflash": the shipped DFlash behind lookup
+    family = registry.model_family(kind).name  # "lookup+dflash": the shipped DFlash
     if family in registry.trained_kinds():
       path = zoo_drafter("smollm2", family)
       if path is None:

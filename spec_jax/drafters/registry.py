@@ -165,3 +165,10 @@ def resolve(kind: str) -> tuple[DrafterFamily, DrafterFamily | None]:
   if plus:
     return _FAMILIES[head], _FAMILIES[rest]
   return _FAMILIES[kind], None
+
+
+def model_family(kind: str) -> DrafterFamily:
+  """The family that makes a kind's model and reads its files: the kind's own, or a
+  combination's other side ("lookup+eagle": eagle)."""
+  fam, combined = resolve(kind)
+  return combined or fam
