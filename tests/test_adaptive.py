@@ -1148,6 +1148,7 @@ def test_streaming_auto_runs_no_plain_stretch_past_a_chunk(stories, ragged, draf
     ("prior", float("nan"), "prior must be a number >= 0 and <= 1, got nan"),
     ("give_up", 1.0, "give_up must be a number >= 0 and < 1"),
     ("probe_share", math.inf, "probe_share must be a number >= 0, got inf"),
+    ("min_gain", -0.1, "min_gain must be a number >= 0, got -0.1"),
     ("confidence", True, "confidence must be a number"),
     ("probe_every", 2.0, "probe_every must be an integer >= 1"),
     ("initial_gamma", 0, "initial_gamma must be an integer >= 1"),
@@ -1596,7 +1597,9 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
   probe window take it, a watching one (its checks stand for probes) too, a timing round
   keeps the rules'; and a run's rounds keep to it (no probe fits in its window)."""
   from spec_jax.adaptive.planning import scaled_probe_every
-  rules = AdaptiveRules(prior=0.7, schedule=False, survival=0.0)
+  # (min_gain 0: this table's best gain, 0.19, is below the default's margin, under which
+  # nothing probes: test_a_drafter_that_could_gain_little_is_not_carried)
+  rules = AdaptiveRules(prior=0.7, schedule=False, survival=0.0, min_gain=0.0)
   cost_G1 = np.array([1.0, 3.0, 3.2, 3.4, 3.6])  # a plain step, then 1..4 drafts verified
   draft_G = np.full(4, 0.6)
   # gain: 5 tokens for 4.2 steps, 0.190; the plan at the prior: 4 drafts, (1 + 0.7 + 0.49
@@ -1644,6 +1647,50 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
       ).metrics) for share in (0.0, 0.5)}
   drafted = {k: m["rounds"] - m["adaptive"]["undrafted_rounds"] for k, m in runs.items()}
   assert drafted[0.0] > 0 and drafted[0.5] == 0, runs
+
+
+def test_a_drafter_that_could_gain_little_is_not_carried():
+  """AdaptiveRules.min_gain: where a round of drafts that were all accepted would beat plain
+  steps by no more than min_gain (best_gain), nothing probes or watches, and a program
+  whose plan does not draft at the prior never drafts (generate's loop); above it, or with
+  min_gain 0, it probes. The same margin holds for trees (their deepest path)."""
+  from spec_jax.adaptive import drafting_can_pay
+  from spec_jax.adaptive.planning import best_gain, scaled_probe_every
+  from spec_jax.testing import tiny_llama
+  cost_G1 = np.array([1.0, 3.0, 3.2, 3.4, 3.6])
+  draft_G = np.full(4, 0.6)
+  assert best_gain(cost_G1, draft_G) == pytest.approx(5 / 4.2 - 1)  # 0.19
+  assert drafting_can_pay(cost_G1, draft_G) and drafting_can_pay(cost_G1, draft_G, 0.18)
+  assert not drafting_can_pay(cost_G1, draft_G, 0.3)
+  assert AdaptiveRules().min_gain == 0.3
+  assert scaled_probe_every(AdaptiveRules(), cost_G1, draft_G) == 8  # nothing to space
+  model, params = tiny_llama()
+  prompts = pad_prompts([[1, 2, 3, 4], [5, 6, 7]])
+  layer_skip, skip_params = make_drafter("layer_skip", model, params, num_layers=1)
+
+  def program(min_gain, costs=tuple(cost_G1)):
+    cfg = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=costs, draft_cost=0.6,
+                         first_draft_cost=0.6,  # (probes every 8 steps: 4 fit in 48)
+                         rules=AdaptiveRules(min_gain=min_gain, probe_share=0.0))
+    return prepare_program(model, layer_skip, *prompts, gamma=cfg, max_new_tokens=48)[0]
+
+  assert program(0.3).drafts_never(2) and not program(0.0).drafts_never(2)
+  stats = program(0.3).initial_stats(2)
+  assert not program(0.3).round_fn.plan(stats, jnp.array([47, 47])).can_probe
+  assert program(0.0).round_fn.plan(stats, jnp.array([47, 47])).can_probe
+  # a cheaper table (best gain 5 / 2.6 - 1 = 0.92) still probes under the default margin
+  assert not program(0.3, (1.0, 1.4, 1.6, 1.8, 2.0)).drafts_never(2)
+  # trees (budgets 2, 3, 5, 7 nodes): 5 nodes reach depth 3, 4 tokens at best for 2.9 + 0.1
+  # plain steps: a gain of 0.33
+  from spec_jax.drafters.registry import TreeOptions
+  tree, _ = make_drafter("draft_model", model, params, draft_model=model, draft_params=params,
+                         tree=TreeOptions(depth=3, top_k=2, nodes=7))
+  for min_gain, probes in ((0.3, True), (0.4, False)):
+    cfg = AdaptiveConfig(target_costs=(1.0, 2.0, 2.5, 2.9, 3.0), draft_cost=0.1,
+                         rules=AdaptiveRules(min_gain=min_gain))
+    tree_program = prepare_program(model, tree, *prompts, gamma=cfg, max_new_tokens=48)[0]
+    assert tree_program.round_fn.plan(tree_program.initial_stats(2),
+                                      jnp.array([47, 47])).can_probe == probes
 
 
 @pytest.mark.parametrize("idle,remaining,can_probe", [

@@ -101,6 +101,20 @@ class AdaptiveRules:
     at 4.3 plain steps) probed every 8 steps at 0.82-0.84x autoregressive, where never
     drafting read 0.955-0.97x; a trained EAGLE, watching every 8 steps (recording each plain
     step's features for it), 0.87x against 0.94x.
+  min_gain: probes, and the checks a stretch makes in hindsight in their place, run only
+    where a drafted round whose drafts were all accepted would beat plain steps by more than
+    this (planning.best_gain, from the start-up table; trees: their deepest path). Below it
+    the program never carries the drafter unless its plan drafts at the prior (drafts_never:
+    generate's loop). Two reasons, both measured on stories260K at batch 1 (stop 64):
+    six start-up tables of one trained DFlash program, timed one after another in one
+    process, put its best gain at -0.18, 0.26, 0.09, 0.25, 0.18 and 0.16 (its 4-token round
+    at 2.65-4.17 plain steps), so a margin this small is the table's noise; and carrying a
+    drafter costs before anything is drafted: a program that gave up at its look at the
+    prompt (then generate's loop body to the end) ran 0.85-1.4 ms (about 10 plain steps)
+    behind one that never drafts, at 128 and at 256 tokens, and each later check about one
+    plain step more. Such a drafter read 0.86-0.93x autoregressive with `auto` where never
+    drafting read 0.97-0.99x; the drafted rounds its bursts of agreement paid for gained 5
+    plain steps in 128 tokens. 0: any gain (the rule before stop 64).
   admit: research hook replacing the row rules: admit(AdmitInputs) -> [B] admitted lengths.
     It must obey the lossless condition (tests use it for a deliberately leaky rule). Its
     AdmitInputs.gamma_B is the schedule's length, which moves only with schedule=True.
@@ -186,6 +200,7 @@ class AdaptiveRules:
   probe_every: int = 8
   probe_growth: int = 2
   probe_share: float = 0.5
+  min_gain: float = 0.3
   admit: Callable | None = None
   lookahead: bool = True
   horizon: bool = True
@@ -207,6 +222,7 @@ class AdaptiveRules:
 _RULE_RANGES = {"confidence": (0.0, 1.0, True, True), "survival": (0.0, 1.0, True, True),
                 "prior": (0.0, 1.0, True, True), "learning_rate": (0.0, 1.0, False, True),
                 "forget": (0.0, 1.0, True, True), "probe_share": (0.0, math.inf, True, False),
+                "min_gain": (0.0, math.inf, True, False),
                 "give_up": (0.0, 1.0, True, False)}
 _RULE_COUNTS = ("initial_gamma", "probe_every", "probe_growth")  # integers >= 1
 

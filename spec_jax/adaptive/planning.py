@@ -126,10 +126,11 @@ def best_gain(cost_G1, draft_cost_G) -> float:
   return float(np.max((1 + m_G) * float(cost_G1[0]) / round_G)) - 1.0
 
 
-def drafting_can_pay(cost_G1, draft_cost_G) -> bool:
+def drafting_can_pay(cost_G1, draft_cost_G, min_gain: float = 0.0) -> bool:
   """Host-side, from the cost table: whether some draft length m beats a plain step's tokens
-  per second when every draft is accepted (best_gain > 0)."""
-  return best_gain(cost_G1, draft_cost_G) > 0
+  per second by more than min_gain (AdaptiveRules.min_gain) when every draft is accepted
+  (best_gain > min_gain)."""
+  return best_gain(cost_G1, draft_cost_G) > min_gain
 
 
 def planned_drafts(prior_BG, gamma_B, active_B, cost_G1, draft_cost_G, rules,
@@ -244,7 +245,7 @@ def scaled_probe_every(rules, cost_G1, draft_cost_G, catch_up_cost: float = 0.0)
   if not rules.probe_share:
     return every
   gain = best_gain(cost_G1, draft_cost_G)
-  if gain <= 0:  # no probe can pay (drafting_can_pay): nothing to space
+  if gain <= rules.min_gain:  # no probes (drafting_can_pay): nothing to space
     return every
   plain = float(cost_G1[0])
   cost_G = (np.asarray(cost_G1[1:], np.float64) + np.asarray(draft_cost_G, np.float64)) / plain

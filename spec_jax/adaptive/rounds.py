@@ -269,9 +269,10 @@ class AdaptiveRound:
     (None: the table's; sourced_plan's for a drafter with sources)."""
     rules = self.config.rules
     static, table = self.config.cost_table, self.costs_of(stats)
-    # no probes where even drafts that were all accepted could not beat a plain step: the
-    # cost table alone (static) rules drafting out, and probing would only pay for drafts
-    can_probe = drafting_can_pay(static.verify_G1, static.drafting_G)
+    # no probes where even drafts that were all accepted could not beat a plain step by
+    # rules.min_gain: the cost table alone (static) rules drafting out, and probing would
+    # only pay for drafts
+    can_probe = drafting_can_pay(static.verify_G1, static.drafting_G, rules.min_gain)
     last_probe = probe_window(rules, static.plain, np.max(static.rounds_G), probe_every)
     probe = (jnp.bool_(False) if watch else
              probe_due(stats, remaining_B, last_probe, can_probe))
@@ -886,9 +887,10 @@ class AdaptiveTreeRound(AdaptiveRound):
     gamma, budgets = self.config.gamma_max, self.config.widths[1:]
     cost_W = self.tree_costs
     # static: whether some cut tree whose deepest path were always accepted would beat a
-    # plain step (a cut to k nodes reaches at most depth k - 1)
+    # plain step by rules.min_gain (a cut to k nodes reaches at most depth k - 1)
     best_case_K = np.array([1 + min(k - 1, gamma) for k in budgets])
-    can_probe = bool(np.any(best_case_K / cost_W[1:] > 1 / cost_W[0]))
+    can_probe = bool(np.any(best_case_K / cost_W[1:]
+                            > (1 + self.config.rules.min_gain) / cost_W[0]))
     last_probe = probe_window(self.config.rules, cost_W[0], cost_W[-1])
     probe = probe_due(stats, remaining_B, last_probe, can_probe)
     budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, remaining_B > 0, budgets,
