@@ -12,6 +12,7 @@ Thin by design: argument parsing and printing around library calls.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -137,19 +138,20 @@ def load_target_and_tokenizer(args):
 def make_drafter(args, target, params, tokenizer, builtin_draft):
   from spec_jax.models.zoo import ZOO, zoo_drafter
   # a zoo model's (or the built-in target's) trained drafters load from the files shipped for it
+  # (shipped: family name -> its folder, or None)
   shipped = None
   if builtin_draft is not None:
-    from spec_jax.models.builtin import builtin_drafter
-    shipped = lambda k: builtin_drafter(k.split("+")[-1])  # noqa: E731
+    from spec_jax.models.builtin import builtin_drafter as shipped
     default = "draft_model" if args.tree else BUILTIN_DRAFTER  # trees: a model drafts them
   else:
     if args.model in ZOO:
-      shipped = lambda k: zoo_drafter(args.model, k.split("+")[-1])  # noqa: E731
+      shipped = functools.partial(zoo_drafter, args.model)
     default = ZOO_DRAFTER if shipped and shipped(ZOO_DRAFTER) else "prompt_lookup"
   kind = args.draft or default
-  checkpoint = args.draft_checkpoint or (shipped(kind) if shipped else None)
   if kind == "none":
     return kind, None, None
+  family = registry.model_family(kind)  # "lookup+eagle": EAGLE's files
+  checkpoint = args.draft_checkpoint or (shipped(family.name) if shipped else None)
   tree = None if args.tree is None else TreeOptions.parse(args.tree)
   # a draft model for the families that take one (the others ignore it)
   draft_model, draft_params = builtin_draft or (None, None)
@@ -160,7 +162,6 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
     draft_tok = find_tokenizer_path(args.draft_model)
     if draft_tok is not None:
       check_same_tokenizer(tokenizer, load_tokenizer(draft_tok))
-  family = registry.model_family(kind)  # "lookup+eagle": EAGLE's files
   if checkpoint is None and family.build is None:  # trained only, none shipped for this model
     raise BadArgument(f"--draft {kind}: {family.name} is a trained drafter and none ships for "
                       "this model; pass --draft-checkpoint DIR (scripts/train_drafter.py "
