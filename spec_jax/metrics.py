@@ -58,6 +58,10 @@ class AdaptiveStats:
   # the cost table the rounds plan from (spec_jax.adaptive.CostTable of arrays): an argument
   # of the program, carried unchanged (None: the config's static table)
   costs: object = None
+  # [] float32: plain steps the run's drafting has gained (+) or lost (-) against plain
+  # decoding so far, by the cost table: each drafted round's advance of the batch's finish
+  # less its cost, each catch-up after plain steps its cost (AdaptiveRules.loss_budget)
+  account: jax.Array | None = None
   # whether the rounds move gamma_B (AdaptiveRules.schedule); off, it stays initial_gamma
   # and the summary leaves it out
   scheduled: bool = struct.field(pytree_node=False, default=False)
@@ -77,7 +81,8 @@ class AdaptiveStats:
                jnp.int32(probe_every), jnp.zeros(len(widths), jnp.int32), jnp.int32(0),
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32),
                first_seen_B, first_accepted_B, nodes,
-               SourceRecord(*record()) if sources else None, costs, scheduled)
+               SourceRecord(*record()) if sources else None, costs,
+               account=jnp.float32(0.0), scheduled=scheduled)
 
   def with_source(self, primary_B) -> "AdaptiveStats":
     """The record (and schedule) each row reads and writes swapped to its primary source's
@@ -122,6 +127,15 @@ class AdaptiveStats:
   def grown_probe_interval(self, probe_growth: int, probe_every: int) -> jax.Array:
     """The wait before the next probe after one that was not promising (up to 64x)."""
     return jnp.minimum(probe_growth * self.probe_interval, MAX_PROBE_WAIT * probe_every)
+
+  def out_of_budget(self, loss_budget: float, loss_share: float) -> jax.Array:
+    """[] bool: the run's account (plain steps gained or lost by drafting) is below
+    -(loss_budget + loss_share * rounds so far, plain steps counted as rounds)."""
+    return self.account < -(loss_budget + loss_share * jnp.sum(self.width_rounds_W))
+
+  def charged(self, steps) -> "AdaptiveStats":
+    """The account less `steps` plain steps (a catch-up's cost, in plain steps)."""
+    return self.replace(account=(self.account - steps).astype(jnp.float32))
 
   def given_up(self, hopeless, probe_every: int) -> "AdaptiveStats":
     """Where hopeless ([] bool), the wait before the next probe at its longest (the rounds
@@ -314,6 +328,7 @@ def summarize(m: SpecMetrics) -> dict:
         "mean_admitted": int(a.admitted_B.sum()) / row_rounds if row_rounds else 0.0,
         "acceptance_estimate": np.round(a.estimate_BG.mean(0).astype(float), 3).tolist(),
         "acceptance_estimate_per_row": np.round(a.estimate_BG.astype(float), 3).tolist(),
+        "account_plain_steps": round(float(a.account), 2),
     }
     if a.scheduled:  # the schedule's length per row (off, it never moves from initial_gamma)
       out["adaptive"]["gamma_per_row"] = a.gamma_B.tolist()

@@ -1149,6 +1149,9 @@ def test_streaming_auto_runs_no_plain_stretch_past_a_chunk(stories, ragged, draf
     ("give_up", 1.0, "give_up must be a number >= 0 and < 1"),
     ("probe_share", math.inf, "probe_share must be a number >= 0, got inf"),
     ("min_gain", -0.1, "min_gain must be a number >= 0, got -0.1"),
+    ("loss_budget", float("nan"), "loss_budget must be a number >= 0, got nan"),
+    ("loss_budget", -1.0, "loss_budget must be a number >= 0, got -1.0"),
+    ("loss_share", math.inf, "loss_share must be a number >= 0, got inf"),
     ("confidence", True, "confidence must be a number"),
     ("probe_every", 2.0, "probe_every must be an integer >= 1"),
     ("initial_gamma", 0, "initial_gamma must be an integer >= 1"),
@@ -2221,3 +2224,71 @@ def test_a_position_is_reached_only_where_a_draft_was_verified():
   plain = m.after_plain_steps(jnp.int32(3), jnp.array([3, 2, 0]), jnp.array([3, 2, 0]))
   np.testing.assert_array_equal(plain.position_reached_G, [0, 0, 0, 0])
   assert int(plain.accept_hist_G1[0]) == 5
+
+
+def test_the_account_adds_what_drafted_rounds_gained_by_the_table():
+  """AdaptiveStats.account: with a drafter that is the target itself (every draft accepted,
+  greedy), each drafted round of k drafts at one row adds its k + 1 tokens less its cost in
+  plain steps (the target pass at width k + 1 and the drafting of k, from the supplied
+  table); the summary reports it, and the output is generate's."""
+  from spec_jax.testing import tiny_llama
+  model, params = tiny_llama()
+  prompts = pad_prompts([[1, 2, 3, 4]])
+  drafter, draft_params = make_drafter("draft_model", model, params, draft_model=model,
+                                       draft_params=params)
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0),
+                       draft_cost=0.3, first_draft_cost=0.3)  # drafting: 0.3 whatever m
+  out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg, max_new_tokens=40)
+  ref = generate(model, params, *prompts, max_new_tokens=40)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  a = out.metrics.adaptive
+  hist = np.asarray(a.admitted_hist_G1)
+  assert hist[1:].sum() >= 5 and int(out.metrics.accepted_B[0]) == int(a.admitted_B[0])
+  cost_W = np.array([1.0, 1.3, 1.5, 1.8, 2.0])
+  expected = sum(hist[k] * (k + 1 - cost_W[k] - 0.3) for k in range(1, 5))
+  assert float(a.account) == pytest.approx(expected, abs=1e-4)
+  assert summarize(out.metrics)["adaptive"]["account_plain_steps"] == round(float(a.account), 2)
+
+
+def test_a_run_whose_drafting_loses_past_its_budget_stops_drafting():
+  """AdaptiveRules.loss_budget: a useless draft (another random model) that probes every 8
+  steps on a table where drafting looks cheap loses plain steps at each probe
+  and each catch-up; once the account is below -loss_budget the run drafts no more (fewer
+  drafted rounds than with no budget, the account stopped just past the budget), and its
+  greedy output is still generate's. A plan under a spent budget drafts nothing, whatever
+  its estimates say."""
+  from spec_jax.testing import tiny_llama
+  model, params = tiny_llama()
+  prompts = pad_prompts([[1, 2, 3, 4], [5, 6, 7]])
+  draft, draft_params = tiny_llama(n_layers=1, seed=1)  # another random model: useless
+  drafter, draft_params = make_drafter("draft_model", model, params, draft_model=draft,
+                                       draft_params=draft_params)
+  ref = generate(model, params, *prompts, max_new_tokens=96)
+
+  def run(loss_budget):
+    rules = AdaptiveRules(loss_budget=loss_budget, loss_share=0.0, probe_share=0.0,
+                          probe_growth=1, give_up=0.0, hindsight=False)
+    cfg = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0),
+                         draft_cost=0.3, first_draft_cost=0.3, rules=rules)
+    out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
+                    max_new_tokens=96)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    a = out.metrics.adaptive
+    return int(np.sum(a.width_rounds_W[1:])), float(a.account)
+
+  drafted_free, account_free = run(math.inf)
+  drafted, account = run(2.0)
+  assert drafted < drafted_free and account_free < -2.0 - 2.3
+  # stopped at the first round (or catch-up) past the budget: none loses 2.3 steps or more
+  assert -2.0 - 2.3 < account < -2.0
+  # the plan reads the account
+  program = prepare_program(model, drafter, *prompts, max_new_tokens=96, gamma=AdaptiveConfig(
+      4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.3,
+      first_draft_cost=0.3, rules=AdaptiveRules(loss_budget=2.0, loss_share=0.5)))[0]
+  stats = program.initial_stats(2).replace(estimate_BG=jnp.ones((2, 4), jnp.float32),
+                                           width_rounds_W=jnp.array([10, 0, 0, 0, 0]))
+  remaining_B = jnp.array([60, 60])
+  assert bool(program.round_fn.plan(stats, remaining_B).drafts)
+  assert bool(program.round_fn.plan(stats.replace(account=jnp.float32(-6.9)), remaining_B).drafts)
+  spent = program.round_fn.plan(stats.replace(account=jnp.float32(-7.1)), remaining_B)  # 2 + 5
+  assert not bool(spent.drafts) and not bool(spent.probe) and int(spent.size) == 0

@@ -10,6 +10,7 @@ hold for any drafter weights. Trained drafters are measured by scripts/drafter_t
 from __future__ import annotations
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -142,10 +143,13 @@ def test_plain_stretches_write_the_context_the_next_round_reads(tiny_target, kin
   prompts = pad_prompts(PROMPTS)
   reference = generate(target, tp, *prompts, max_new_tokens=40, eos_id=0)
   # drafting pays only now and then: plain stretches between drafted rounds (probes, not
-  # hindsight, which finds a random drafter's guesses hopeless and never drafts again)
+  # hindsight, which finds a random drafter's guesses hopeless and never drafts again; no
+  # loss budget, which charges the stretching drafter's catch-ups and not the other's
+  # catch-up in each plain step, so the two would stop drafting at different rounds)
   config = AdaptiveConfig(DRAFTS, target_costs=(1.0, 1.5, 1.9), draft_cost=0.3,
                           rules=AdaptiveRules(confidence=0.0, survival=0.0, probe_every=4,
-                                              probe_growth=1, hindsight=False))
+                                              probe_growth=1, hindsight=False,
+                                              loss_budget=math.inf))
   outs = [speculate(target, tp, d, spec.draft_params(own, target, tp), *prompts, gamma=config,
                     max_new_tokens=40, eos_id=0)
           for d in (Stretching(spec.drafter.model), EveryStep(spec.drafter.model))]
@@ -395,3 +399,4 @@ def test_bad_block_drafter_files_fail_clearly(tmp_path):
     td.load_drafter(broken, target, tp)
   with pytest.raises(ValueError, match="block_size must be an integer >= 2"):
     DFlashConfig.for_target(target.config, block_size=1)
+

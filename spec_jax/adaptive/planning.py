@@ -292,13 +292,20 @@ def steps_to_probe(stats, remaining_B, last_probe, can_probe) -> jax.Array:
   return jnp.where(can_probe & (jnp.max(remaining_B) - wait >= last_probe), wait, _TO_THE_END)
 
 
+def finish_advance(remaining_before_B, remaining_after_B, active_B) -> jax.Array:
+  """[] int32: how far a round moved the batch's finish: the largest remaining budget of
+  the rows active before it, before less after (a plain step: 1)."""
+  last = lambda r_B: jnp.max(jnp.where(active_B, r_B, 0))
+  return last(remaining_before_B) - last(remaining_after_B)
+
+
 def probe_was_promising(remaining_before_B, remaining_after_B, active_B, plain_cost,
                         extra_cost) -> jax.Array:
-  """[] bool: a drafted round moved the batch's finish (the largest remaining budget of the
-  rows active before it), beyond the one token a plain step gives, by at least half of what
-  plain steps would in its extra_cost (its cost over a plain step's, with any catch-up)."""
-  last = lambda r_B: jnp.max(jnp.where(active_B, r_B, 0))
-  return 2 * (last(remaining_before_B) - last(remaining_after_B) - 1) * plain_cost >= extra_cost
+  """[] bool: a drafted round moved the batch's finish (finish_advance), beyond the one
+  token a plain step gives, by at least half of what plain steps would in its extra_cost
+  (its cost over a plain step's, with any catch-up)."""
+  advance = finish_advance(remaining_before_B, remaining_after_B, active_B)
+  return 2 * (advance - 1) * plain_cost >= extra_cost
 
 
 def verify_admitted(verifier, draft_tokens_BG, draft_probs_BGV, logits_BG1V, sampling, key,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -14,8 +15,8 @@ import numpy as np
 
 from spec_jax.adaptive.config import AdaptiveConfig
 from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, choose_tree_budget,
-                                        drafting_can_pay, planned_drafts, probe_due,
-                                        probe_was_promising, probe_window, row_rule,
+                                        drafting_can_pay, finish_advance, planned_drafts,
+                                        probe_due, probe_was_promising, probe_window, row_rule,
                                         scaled_probe_every, schedule_length, steps_to_probe,
                                         verify_admitted, width_index, wilson_upper)
 from spec_jax.core.control import cond_in_place, switch_in_place
@@ -274,13 +275,23 @@ class AdaptiveRound:
     # only pay for drafts
     can_probe = drafting_can_pay(static.verify_G1, static.drafting_G, rules.min_gain)
     last_probe = probe_window(rules, static.plain, np.max(static.rounds_G), probe_every)
+    spent = self.spent(stats)
     probe = (jnp.bool_(False) if watch else
-             probe_due(stats, remaining_B, last_probe, can_probe))
+             probe_due(stats, remaining_B, last_probe, can_probe) & ~spent)
     planned = planned_drafts(jnp.minimum(stats.estimate_BG, 1.0), stats.gamma_B,
                              remaining_B > 0, jnp.asarray(table.verify_G1),
                              jnp.asarray(table.drafting_G) if drafting_G is None else drafting_G,
                              rules, probe, remaining_B)
+    planned = jnp.where(spent, 0, planned)
     return RoundPlan(can_probe, last_probe, probe, planned > 0, planned)
+
+  def spent(self, stats: AdaptiveStats) -> jax.Array:
+    """[] bool: the run's account is past its budget (AdaptiveRules.loss_budget): it drafts
+    no more. Never for a timing round, nor with an infinite budget."""
+    rules = self.config.rules
+    if self.forced or rules.loss_budget == math.inf:
+      return jnp.bool_(False)
+    return stats.out_of_budget(rules.loss_budget, rules.loss_share)
 
   @functools.cached_property
   def least_first(self) -> float:
@@ -429,9 +440,9 @@ class AdaptiveRound:
      looked) = cond_in_place(draft_now, lambda o: drafted_round(o[0]),
                              lambda o: plain_steps(o[0]), outputs)
     # (a tree round has already updated its node estimates in new's stats)
-    promising = probe_was_promising(
-        budget_B - s.num_generated_B, budget_B - new.num_generated_B, ~s.done_B,
-        round_cost(0), round_cost(w_idx) - round_cost(0) + catch_up_cost)
+    before_B, after_B = budget_B - s.num_generated_B, budget_B - new.num_generated_B
+    promising = probe_was_promising(before_B, after_B, ~s.done_B, round_cost(0),
+                                    round_cost(w_idx) - round_cost(0) + catch_up_cost)
     stats = new.metrics.adaptive.update(
         ~s.done_B, admitted_B, num_accepted_B, w_idx, draft_now, probe,
         learning_rate=rules.learning_rate, probe_every=probe_every,
@@ -441,9 +452,14 @@ class AdaptiveRound:
         follow_accepted=later_follow_first and rules.follow_accepted)
     if source_B is not None:  # back: the fields are the secondary's record again
       stats = stats.with_source(source_B)
+    # the account: a drafted round's advance of the batch's finish less its cost
+    net = finish_advance(before_B, after_B, ~s.done_B) - round_cost(w_idx) / round_cost(0)
+    stats = stats.replace(account=jnp.where(draft_now, stats.account + net,
+                                            stats.account).astype(jnp.float32))
     stats = self.give_up_if_hopeless(
         stats, probe & ~promising,
         remaining_tokens(new.done_B, new.num_generated_B, budget_B), probe_every)
+    stats = stats.given_up(self.spent(stats), probe_every)
     return new.replace(metrics=new.metrics.replace(adaptive=stats))
 
   def plain_steps(self, target, drafter, gamma, sampling, verifier, params, draft_params,
@@ -519,6 +535,8 @@ class AdaptiveRound:
     -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
     last = self.capped(n)  # this round's steps (n: the wait, which a cap may split)
+    # what a catch-up costs the account, in plain steps (the static table's)
+    catch_up_steps = self.catch_up_cost(drafter) / float(self.config.cost_table.plain)
     ready = self.ready(until)
     rules = self.config.rules
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
@@ -559,7 +577,8 @@ class AdaptiveRound:
           (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
       draft_state, seen = catch_up(s.draft_state, ctx, i - start, steps_B - active_steps_B)
-      s = s.replace(draft_state=draft_state)
+      s = s.replace(draft_state=draft_state, metrics=s.metrics.replace(
+          adaptive=s.metrics.adaptive.charged(catch_up_steps)))
       pays = jnp.bool_(False)
       if watch:
         stats = s.metrics.adaptive.learn_hindsight(
@@ -892,9 +911,11 @@ class AdaptiveTreeRound(AdaptiveRound):
     can_probe = bool(np.any(best_case_K / cost_W[1:]
                             > (1 + self.config.rules.min_gain) / cost_W[0]))
     last_probe = probe_window(self.config.rules, cost_W[0], cost_W[-1])
-    probe = probe_due(stats, remaining_B, last_probe, can_probe)
+    spent = self.spent(stats)
+    probe = probe_due(stats, remaining_B, last_probe, can_probe) & ~spent
     budget_idx, tree_now = choose_tree_budget(stats.node_estimate_BZ, remaining_B > 0, budgets,
                                               jnp.asarray(cost_W, jnp.float32), remaining_B)
+    tree_now &= ~spent
     return RoundPlan(can_probe, last_probe, probe, tree_now | probe,
                      jnp.where(probe, len(budgets) - 1, budget_idx))
 
