@@ -400,3 +400,33 @@ def test_bad_block_drafter_files_fail_clearly(tmp_path):
   with pytest.raises(ValueError, match="block_size must be an integer >= 2"):
     DFlashConfig.for_target(target.config, block_size=1)
 
+
+def test_lookup_with_dspark_reads_the_head_on_the_rows_that_draft_from_it(tiny_target):
+  # lookup + DSpark under gamma="auto": the rows that draft from DSpark are truncated by its
+  # confidence head, the rows that copy from lookup are not (lookup has no head: a copy's
+  # top probability, one). A head of zeros then admits lookup's copies alone, a head of ones
+  # DSpark's drafts too; greedy output unchanged either way
+  from spec_jax.adaptive import AdaptiveConfig
+  from spec_jax.drafters.combined import FallbackDrafter
+  from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
+  from spec_jax.engine import speculate
+  target, tp = tiny_target
+  spec, own = _random_drafter("dspark", target)
+  prompts = pad_prompts(PROMPTS)
+  reference = generate(target, tp, *prompts, max_new_tokens=24, eos_id=0)
+  draft_params = (None, spec.draft_params(own, target, tp))
+  config = AdaptiveConfig(DRAFTS, target_costs=(1.0, 1.0, 1.0), draft_cost=0.0)
+
+  def head(value):
+    class Head(type(spec.drafter)):
+      def acceptance_estimates(self, state):
+        return jnp.full_like(super().acceptance_estimates(state), value)
+    combined = FallbackDrafter(PromptLookupDrafter(3, 2), Head(spec.drafter.model))
+    assert combined.has_sources
+    out = speculate(target, tp, combined, draft_params, *prompts, gamma=config,
+                    max_new_tokens=24, eos_id=0)
+    assert np.array_equal(out.tokens, reference.tokens)
+    return int(out.metrics.adaptive.admitted_B.sum())
+
+  doubtful, confident = head(0.0), head(1.0)
+  assert 0 < doubtful < confident, (doubtful, confident)

@@ -742,18 +742,23 @@ class AdaptiveRound:
     else:
       q_BG = jnp.take_along_axis(probs_BGV, drafts_BG[..., None], axis=-1)[..., 0]
       top_BG = jnp.max(probs_BGV, axis=-1)
-    conf_BG = drafter.acceptance_estimates(draft_state)  # may be wider than gamma
-    if conf_BG is not None:
-      conf_BG = conf_BG[:, :gamma].astype(jnp.float32)
-    elif sampling.is_greedy:  # a greedy draft is accepted where it is the target's argmax
-      conf_BG = top_BG
+    if sampling.is_greedy:  # a greedy draft is accepted where it is the target's argmax
+      default_BG = top_BG
     else:
       # a sampled draft is accepted with probability sum_x min(p(x), q(x)), which q's top
       # probability does not bound (a flat q equal to p is always accepted): the estimates
       # alone. With it, the built-in pair's draft model at temperature 0.8 drafted in 70
       # rounds of 107 and verified nothing in 50 of them (q's top probability below the
       # 0.85 its rounds were accepted at), paying their drafting for no token: 0.62x
-      conf_BG = jnp.ones_like(top_BG)
+      default_BG = jnp.ones_like(top_BG)
+    conf_BG = drafter.acceptance_estimates(draft_state)  # may be wider than gamma
+    if conf_BG is None:
+      conf_BG = default_BG
+    else:
+      conf_BG = conf_BG[:, :gamma].astype(jnp.float32)
+      if primary_B is not None:  # a head speaks for its own drafts, not for lookup's copies
+        took_B = primary_B if secondary_off is None else primary_B | secondary_off
+        conf_BG = jnp.where(took_B[:, None], default_BG, conf_BG)
     estimate_BG = self.floored(stats, drafter).estimate_BG  # as the plan read them
     survival_BG = jnp.cumprod(jnp.minimum(conf_BG, estimate_BG), axis=1)
     inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)

@@ -298,6 +298,15 @@ class FallbackDrafter(Drafter):
                             _q_or_one_hot(tokens_2, probs_2, vocab))
     return tokens_BG, probs_BGV, FallbackState(state_1, state_2)
 
+  def acceptance_estimates(self, state: FallbackState):
+    # the secondary's head (DSpark's confidences) for the rows that drafted from it. Only
+    # with sources: a gamma="auto" round then knows which rows took lookup's drafts
+    # (primary_B) and reads those as lookup's own (no head); without, no round could tell
+    # which rows a head speaks for
+    if not self.has_sources:
+      return None
+    return self.secondary.acceptance_estimates(state.secondary)
+
   @property
   def skips_rounds(self) -> bool:
     return self.primary.skips_rounds and self.secondary.skips_rounds
