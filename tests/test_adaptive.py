@@ -2248,6 +2248,18 @@ def test_the_account_adds_what_drafted_rounds_gained_by_the_table():
   expected = sum(hist[k] * (k + 1 - cost_W[k] - 0.3) for k in range(1, 5))
   assert float(a.account) == pytest.approx(expected, abs=1e-4)
   assert summarize(out.metrics)["adaptive"]["account_plain_steps"] == round(float(a.account), 2)
+  # rounds that draft and verify nothing (an admit hook that admits nothing) pay their
+  # drafting for the plain step's one token: 0.3 each, until the budget stops them
+  nothing = dataclasses.replace(cfg, rules=AdaptiveRules(
+      admit=lambda inputs: jnp.zeros_like(inputs.gamma_B), loss_share=0.0))
+  out = speculate(model, params, drafter, draft_params, *prompts, gamma=nothing,
+                  max_new_tokens=40)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  a = out.metrics.adaptive
+  empty_rounds = int(np.sum(a.width_rounds_W) - a.undrafted_rounds)
+  assert int(np.sum(a.width_rounds_W[1:])) == 0 and empty_rounds >= 10
+  assert float(a.account) == pytest.approx(-0.3 * empty_rounds, abs=1e-4)
+  assert -4.3 <= float(a.account) < -4.0  # stopped at the first round past the budget
 
 
 def test_a_run_whose_drafting_loses_past_its_budget_stops_drafting():

@@ -119,12 +119,14 @@ class AdaptiveRules:
     gained or lost against plain decoding, priced by the cost table (AdaptiveStats.account):
     each drafted round adds how far it moved the batch's finish (the largest remaining
     budget of the rows active before it: its tokens, at one row) less its cost (its target
-    pass, verification and drafting), each catch-up after plain steps (a drafter that skips
-    rounds: the checks a watching stretch makes, the catch-up before a probe) takes its cost
-    off. Once the account is below -(loss_budget + loss_share * the rounds run so far,
-    plain steps counted as rounds), the run stops drafting: no plan drafts, no probe comes
-    and the wait before the next check is its longest, so the rest of a short generation
-    runs as generate's loop. Past rounds only (lossless). The estimates say what a round
+    pass, verification and drafting; the drafting also where it verified nothing), each
+    catch-up after plain steps (a drafter that skips rounds: the checks a watching stretch
+    makes, the catch-up before a probe) takes its cost off. Once the account is below
+    -(loss_budget + loss_share * the rounds run so far, plain steps counted as rounds), the
+    run stops drafting: no plan drafts, no probe or check comes, and the rest of the run is
+    one plain stretch to the end (with AdaptiveConfig.max_stretch, streaming, each chunk's
+    round reads the account again, against an allowance that grows with the rounds). Past
+    rounds only (lossless). The estimates say what a round
     should yield; the account says what the rounds did yield, so a drafter whose bursts of
     agreement pay less than watching for them costs is stopped. On the built-in pair's 6
     code prompts (batch 1, 128 tokens) the account read +36 to +78 plain steps where the

@@ -125,7 +125,7 @@ class AdaptiveRound:
         s, plan.drafts, plan.probe, drafted_round, plain_steps,
         round_cost=lambda w_idx: costs_W[w_idx] + jnp.where(w_idx > 0, drafting, 0.0),
         budget_B=budget_B, catch_up_cost=self.catch_up_cost(drafter), probe_every=probe_every,
-        source_B=source_B,
+        source_B=source_B, drafting_cost=drafting,
         later_follow_first=self.follows_first(drafter))
     if primary_B is not None and watch:
       new = self.primary_learns_from_round(drafter, sampling, eos_id, gamma, s, new,
@@ -406,7 +406,7 @@ class AdaptiveRound:
 
   def drafted_or_plain(self, s, draft_now, probe, drafted_round, plain_steps, *, round_cost,
                        budget_B, probe_every: int, catch_up_cost=0.0,
-                       source_B=None, later_follow_first: bool = False):
+                       source_B=None, later_follow_first: bool = False, drafting_cost=0.0):
     """The tail of a chain or tree round: `drafted_round(s)` or `plain_steps(s)` (each ->
     (state, admitted_B, num_accepted_B, width index, rounds, plain row-rounds, empty_B,
     looked), where looked ([] bool) says the round was a watched stretch that ended in a
@@ -424,7 +424,9 @@ class AdaptiveRound:
     rounds catches up (catch_up_cost, charged as a propose of gamma_max drafts): at 64 rows
     of the built-in pair, probes of one draft that the slowest row accepted kept coming every
     8 steps, each with a catch-up of the draft model, and `auto` read 0.89-0.90x.
-    probe_every: the round's (probe_every()). source_B ([B] bool, a drafter with sources):
+    probe_every: the round's (probe_every()). drafting_cost ([] or float): what the drafted
+    round's drafting cost, charged to the account also where it verified nothing (width
+    index 0: round_cost leaves drafting out there). source_B ([B] bool, a drafter with sources):
     the rows whose drafted round reads and writes the primary's record (all False when the
     round does not draft). later_follow_first: AdaptiveStats.update's (a chain drafter whose
     later drafts are teacher-forced continuations of its first: Drafter.has_hindsight and
@@ -453,7 +455,8 @@ class AdaptiveRound:
     if source_B is not None:  # back: the fields are the secondary's record again
       stats = stats.with_source(source_B)
     # the account: a drafted round's advance of the batch's finish less its cost
-    net = finish_advance(before_B, after_B, ~s.done_B) - round_cost(w_idx) / round_cost(0)
+    cost = round_cost(w_idx) + jnp.where(w_idx == 0, drafting_cost, 0.0)
+    net = finish_advance(before_B, after_B, ~s.done_B) - cost / round_cost(0)
     stats = stats.replace(account=jnp.where(draft_now, stats.account + net,
                                             stats.account).astype(jnp.float32))
     stats = self.give_up_if_hopeless(
@@ -477,8 +480,9 @@ class AdaptiveRound:
     after the step at which until.copy_pays(state) holds.
     -> (state, admitted_B, num_accepted_B, width index, steps, row-steps, empty_B, looked)."""
     stats: AdaptiveStats = s.metrics.adaptive
+    # (a run past its loss budget neither probes nor checks again: one stretch to the end)
     n = steps_to_probe(stats, remaining_tokens(s.done_B, s.num_generated_B, budget_B),
-                       last_probe, can_probe)
+                       last_probe, can_probe & ~self.spent(stats))
     if stats.costs is not None and stats.costs.force is not None:  # timing plain steps
       n = jnp.where(stats.costs.force == 0, _TO_THE_END, n)
     zeros_B = jnp.zeros_like(s.pending_B)
@@ -535,8 +539,9 @@ class AdaptiveRound:
     -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
     last = self.capped(n)  # this round's steps (n: the wait, which a cap may split)
-    # what a catch-up costs the account, in plain steps (the static table's)
-    catch_up_steps = self.catch_up_cost(drafter) / float(self.config.cost_table.plain)
+    def catch_up_steps(stats):  # what a catch-up costs the account, in plain steps
+      table = self.costs_of(stats)  # (the table the rounds run with, as their costs)
+      return jnp.asarray(table.drafting_G)[-1] / jnp.asarray(table.target_W)[0]
     ready = self.ready(until)
     rules = self.config.rules
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
@@ -578,7 +583,7 @@ class AdaptiveRound:
       ctx = round_inputs(s, sampling, eos_id)[0]
       draft_state, seen = catch_up(s.draft_state, ctx, i - start, steps_B - active_steps_B)
       s = s.replace(draft_state=draft_state, metrics=s.metrics.replace(
-          adaptive=s.metrics.adaptive.charged(catch_up_steps)))
+          adaptive=s.metrics.adaptive.charged(catch_up_steps(s.metrics.adaptive))))
       pays = jnp.bool_(False)
       if watch:
         stats = s.metrics.adaptive.learn_hindsight(
