@@ -2275,15 +2275,16 @@ def test_a_run_whose_drafting_loses_past_its_budget_stops_drafting():
   draft, draft_params = tiny_llama(n_layers=1, seed=1)  # another random model: useless
   drafter, draft_params = make_drafter("draft_model", model, params, draft_model=draft,
                                        draft_params=draft_params)
-  ref = generate(model, params, *prompts, max_new_tokens=96)
 
-  def run(loss_budget):
+  def run(loss_budget, probe_every=8, new=96):
     rules = AdaptiveRules(loss_budget=loss_budget, loss_share=0.0, probe_share=0.0,
-                          probe_growth=1, give_up=0.0, hindsight=False)
+                          probe_every=probe_every, probe_growth=1, give_up=0.0,
+                          hindsight=False)
     cfg = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0),
                          draft_cost=0.3, first_draft_cost=0.3, rules=rules)
     out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
-                    max_new_tokens=96)
+                    max_new_tokens=new)
+    ref = generate(model, params, *prompts, max_new_tokens=new)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     a = out.metrics.adaptive
     return int(np.sum(a.width_rounds_W[1:])), float(a.account)
@@ -2293,6 +2294,11 @@ def test_a_run_whose_drafting_loses_past_its_budget_stops_drafting():
   assert drafted < drafted_free and account_free < -2.0 - 2.3
   # stopped at the first round (or catch-up) past the budget: none loses 2.3 steps or more
   assert -2.0 - 2.3 < account < -2.0
+  # and stays stopped: probing after every idle step, the idle rounds pass the longest wait
+  # (64 steps) long before 160 tokens, and a spent run's plain stretch still runs to the end
+  # (it would otherwise be one step a round, each with a catch-up charged)
+  drafted, account = run(2.0, probe_every=1, new=160)
+  assert drafted > 0 and -2.0 - 2.3 < account < -2.0
   # the plan reads the account
   program = prepare_program(model, drafter, *prompts, max_new_tokens=96, gamma=AdaptiveConfig(
       4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.3,
