@@ -134,7 +134,8 @@ class AdaptiveStats:
     return self.account < -(loss_budget + loss_share * jnp.sum(self.width_rounds_W))
 
   def charged(self, steps) -> "AdaptiveStats":
-    """The account less `steps` plain steps (a catch-up's cost, in plain steps)."""
+    """The account less `steps` plain steps (a catch-up's cost, or what a drafted round
+    lost: negative where it gained)."""
     return self.replace(account=(self.account - steps).astype(jnp.float32))
 
   def given_up(self, hopeless, probe_every: int) -> "AdaptiveStats":

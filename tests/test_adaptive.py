@@ -33,6 +33,9 @@ from test_speculative import (DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, exact_joint,
 NEW = 32
 # flat costs and free drafting: the scheduler verifies whatever the rules admit
 FLAT = dict(target_costs=(1.0, 1.0, 1.0, 1.0, 1.0), draft_cost=0.0)
+# drafting that looks cheap: a round of k drafts costs target_costs[k] plus 0.3 plain steps
+CHEAP = dict(widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.3,
+             first_draft_cost=0.3)
 
 
 def config(gamma_max=8, **rules):
@@ -2236,15 +2239,14 @@ def test_the_account_adds_what_drafted_rounds_gained_by_the_table():
   prompts = pad_prompts([[1, 2, 3, 4]])
   drafter, draft_params = make_drafter("draft_model", model, params, draft_model=model,
                                        draft_params=params)
-  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0),
-                       draft_cost=0.3, first_draft_cost=0.3)  # drafting: 0.3 whatever m
+  cfg = AdaptiveConfig(4, **CHEAP)  # drafting: 0.3 whatever m
   out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg, max_new_tokens=40)
   ref = generate(model, params, *prompts, max_new_tokens=40)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   a = out.metrics.adaptive
   hist = np.asarray(a.admitted_hist_G1)
   assert hist[1:].sum() >= 5 and int(out.metrics.accepted_B[0]) == int(a.admitted_B[0])
-  cost_W = np.array([1.0, 1.3, 1.5, 1.8, 2.0])
+  cost_W = np.array(CHEAP["target_costs"])
   expected = sum(hist[k] * (k + 1 - cost_W[k] - 0.3) for k in range(1, 5))
   assert float(a.account) == pytest.approx(expected, abs=1e-4)
   assert summarize(out.metrics)["adaptive"]["account_plain_steps"] == round(float(a.account), 2)
@@ -2280,10 +2282,8 @@ def test_a_run_whose_drafting_loses_past_its_budget_stops_drafting():
     rules = AdaptiveRules(loss_budget=loss_budget, loss_share=0.0, probe_share=0.0,
                           probe_every=probe_every, probe_growth=1, give_up=0.0,
                           hindsight=False)
-    cfg = AdaptiveConfig(4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0),
-                         draft_cost=0.3, first_draft_cost=0.3, rules=rules)
-    out = speculate(model, params, drafter, draft_params, *prompts, gamma=cfg,
-                    max_new_tokens=new)
+    out = speculate(model, params, drafter, draft_params, *prompts,
+                    gamma=AdaptiveConfig(4, **CHEAP, rules=rules), max_new_tokens=new)
     ref = generate(model, params, *prompts, max_new_tokens=new)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     a = out.metrics.adaptive
@@ -2301,8 +2301,7 @@ def test_a_run_whose_drafting_loses_past_its_budget_stops_drafting():
   assert drafted > 0 and -2.0 - 2.3 < account < -2.0
   # the plan reads the account
   program = prepare_program(model, drafter, *prompts, max_new_tokens=96, gamma=AdaptiveConfig(
-      4, widths=(1, 2, 3, 4, 5), target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.3,
-      first_draft_cost=0.3, rules=AdaptiveRules(loss_budget=2.0, loss_share=0.5)))[0]
+      4, **CHEAP, rules=AdaptiveRules(loss_budget=2.0, loss_share=0.5)))[0]
   stats = program.initial_stats(2).replace(estimate_BG=jnp.ones((2, 4), jnp.float32),
                                            width_rounds_W=jnp.array([10, 0, 0, 0, 0]))
   remaining_B = jnp.array([60, 60])

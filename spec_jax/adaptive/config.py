@@ -126,9 +126,9 @@ class AdaptiveRules:
     run stops drafting: no plan drafts, no probe or check comes, and the rest of the run is
     one plain stretch to the end (with AdaptiveConfig.max_stretch, streaming, each chunk's
     round reads the account again, against an allowance that grows with the rounds). Past
-    rounds only (lossless). The estimates say what a round
-    should yield; the account says what the rounds did yield, so a drafter whose bursts of
-    agreement pay less than watching for them costs is stopped. On the built-in pair's 6
+    rounds only (lossless). The estimates say what a round should yield; the account says
+    what the rounds did yield, so a drafter whose bursts of agreement pay less than watching
+    for them costs is stopped. On the built-in pair's 6
     code prompts (batch 1, 128 tokens) the account read +36 to +78 plain steps where the
     measured gain was 29-71; what it cannot see is what the table leaves out (on stories260K
     the fixed cost of carrying a drafter, about 8 plain steps). math.inf: no budget.

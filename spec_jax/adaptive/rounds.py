@@ -457,8 +457,7 @@ class AdaptiveRound:
     # the account: a drafted round's advance of the batch's finish less its cost
     cost = round_cost(w_idx) + jnp.where(w_idx == 0, drafting_cost, 0.0)
     net = finish_advance(before_B, after_B, ~s.done_B) - cost / round_cost(0)
-    stats = stats.replace(account=jnp.where(draft_now, stats.account + net,
-                                            stats.account).astype(jnp.float32))
+    stats = stats.charged(jnp.where(draft_now, -net, 0.0))
     stats = self.give_up_if_hopeless(
         stats, probe & ~promising,
         remaining_tokens(new.done_B, new.num_generated_B, budget_B), probe_every)
@@ -539,15 +538,16 @@ class AdaptiveRound:
     -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
     last = self.capped(n)  # this round's steps (n: the wait, which a cap may split)
-    def catch_up_steps(stats):  # what a catch-up costs the account, in plain steps
-      table = self.costs_of(stats)  # (the table the rounds run with, as their costs)
-      return jnp.asarray(table.drafting_G)[-1] / jnp.asarray(table.target_W)[0]
     ready = self.ready(until)
     rules = self.config.rules
     from spec_jax.speculative import round_inputs  # (imports this module lazily)
 
     one = self.token_step(target, drafter, sampling, params, draft_params, lengths_B, budget_B,
                           eos_id, record=True)
+
+    def catch_up_steps(stats):  # what a catch-up costs the account, in plain steps
+      table = self.costs_of(stats)  # (the table the rounds run with, as their costs)
+      return jnp.asarray(table.drafting_G)[-1] / jnp.asarray(table.target_W)[0]
 
     def catch_up(draft_state, ctx, steps, steps_B):
       # the narrowest compiled window that covers the chunk's steps (a short stretch between
