@@ -25,7 +25,7 @@ from spec_jax.core.interface import CausalLM
 from spec_jax.core.kv_cache import KVCache
 from spec_jax.core.pytree_names import check_params_fit
 from spec_jax.core.sampling import (SamplingConfig, TokenCounts, TokenHistory, nonfinite_rows,
-                                    process_logits, sample)
+                                    process_logits, sample, warp_logits)
 
 NO_EOS = -1  # an EOS id that matches no token
 
@@ -306,8 +306,9 @@ def decode_token(model, params, sampling, lengths_B, budget_B, eos_E, key, seq_B
   plain steps. The pending token goes through the model at its position (the cache length)
   and the next one is sampled and written. The cache comes back with its length untouched
   (the caller's bookkeeping). -> (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B,
-  cache, counts, hidden_BD); bad_B: rows that stop here at non-finite logits, emitting
-  nothing; hidden_BD: the model's hidden state at the pending token (dead code unless read)."""
+  cache, counts, hidden_BD, prob_B); bad_B: rows that stop here at non-finite logits,
+  emitting nothing; hidden_BD: the model's hidden state at the pending token, prob_B the
+  warped probability of the token drawn (each dead code unless read)."""
   logits_B1V, hidden_B1D, cache = model.apply(params, pending_B[:, None],
                                               cache.length_B[:, None], cache)
   logits_BV = process_logits(logits_B1V[:, 0], sampling,
@@ -319,8 +320,10 @@ def decode_token(model, params, sampling, lengths_B, budget_B, eos_E, key, seq_B
                                        budget_B, stop_B, eos_E)
   seq_BS = write_tokens(seq_BS, lengths_B + num_generated_B, next_B[:, None], count_B)
   counts = None if counts is None else counts.add(next_B[:, None], count_B)
+  prob_B = jnp.exp(jnp.take_along_axis(warp_logits(logits_BV, sampling), next_B[:, None],
+                                       axis=1)[:, 0])
   return (seq_BS, jnp.where(stop_B, pending_B, next_B), num_generated_B + count_B, new_done_B,
-          bad_B, count_B, cache, counts, hidden_B1D[:, 0])
+          bad_B, count_B, cache, counts, hidden_B1D[:, 0], prob_B)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "cache_len", "sampling"))
@@ -340,7 +343,7 @@ def generate_jit(model, params, tokens_BP, lengths_B, budget_B, eos_E, pad_id, k
 
   def body(s: _ARState):
     key, step_key = jax.random.split(s.key)
-    seq_BS, pending_B, num_generated_B, done_B, bad_B, _, cache, counts, _ = decode_token(
+    seq_BS, pending_B, num_generated_B, done_B, bad_B, _, cache, counts, _, _ = decode_token(
         model, params, sampling, lengths_B, budget_B, eos_E, step_key, s.seq_BS, s.pending_B,
         s.num_generated_B, s.done_B, s.cache, s.counts)
     # every row fed its pending token; done rows stay where they are

@@ -45,8 +45,10 @@ class AdaptiveStats:
   undrafted_rounds: jax.Array  # [] rounds that did not draft at all
   admitted_hist_G1: jax.Array  # [G + 1] row-rounds per admitted length
   admitted_B: jax.Array  # [B] drafts verified, summed over the row's rounds
-  # [B] int32: first drafts whose fate the row has seen (verified, or in hindsight) and how
-  # many of them were accepted: the evidence under estimate_BG[:, 0] (AdaptiveRules.give_up)
+  # [B] int32: first drafts whose fate the row has seen (verified, or in hindsight) and
+  # [B] float32 how many of them were accepted (a sampled run's hindsight adds estimated
+  # acceptances: drafters.SampledHindsight): the evidence under estimate_BG[:, 0]
+  # (AdaptiveRules.give_up)
   first_seen_B: jax.Array
   first_accepted_B: jax.Array
   # trees: [B, N - 1] float32 P(drafted node i + 1 is on the accepted path), online; None
@@ -74,7 +76,7 @@ class AdaptiveStats:
     nodes = None if tree_nodes is None else jnp.full((batch_size, tree_nodes - 1), prior,
                                                      jnp.float32)
     record = lambda: (jnp.full((batch_size, gamma), prior, jnp.float32),
-                      jnp.zeros(batch_size, jnp.int32), jnp.zeros(batch_size, jnp.int32),
+                      jnp.zeros(batch_size, jnp.int32), jnp.zeros(batch_size, jnp.float32),
                       jnp.full((batch_size,), min(initial_gamma, gamma), jnp.int32))
     estimate_BG, first_seen_B, first_accepted_B, gamma_B = record()
     return cls(tuple(widths), gamma_B, estimate_BG, jnp.int32(0),
@@ -148,21 +150,25 @@ class AdaptiveStats:
                       later: bool = True) -> "AdaptiveStats":
     """After a plain stretch, from Drafter.catch_up_with_hindsight: agree_BA[b, a] whether
     the greedy draft from the a-th position was the token that followed (valid_BA: the
-    stretch's positions, in order). The first draft's estimate learns each row's agreement
-    rate (a round started anywhere), the later ones' the rate of agreeing right after an
-    agreement (a draft a round reaches follows accepted ones): each moves as the moving
-    average would after that many observations of their mean. Misses come in runs, so the
+    stretch's positions, in order), or in a sampled run its estimated acceptance there. The
+    first draft's estimate learns each row's agreement rate (a round started anywhere), the
+    later ones' the rate of agreeing right after an agreement (a draft a round reaches
+    follows accepted ones): each moves as the moving average would after that many
+    observations of their mean. Misses come in runs, so the
     second rate is the higher one (on the built-in pair, taking the rate alone for every
     position left drafting plain on a prompt where probes found gamma 4's gains); assigning
     each agreement the depth a gamma_max-draft round would have met it at measured first
     drafts only just after misses (an estimate of 0.4 for a draft model that agreed 81% of
     the time). later=False: the first draft's estimate alone (the drafter's hindsight does not
     speak for its later drafts: Drafter.hindsight_speaks_for_later_drafts)."""
+    # (sampled, agree_BA holds each position's acceptance estimate in [0, 1]: the same sums,
+    # weighted, with an agreement's weight its estimate: drafters.SampledHindsight)
+    agree_BA = jnp.where(valid_BA, agree_BA.astype(jnp.float32), 0.0)
     count_B = jnp.sum(valid_BA, axis=1)
-    rate_B = jnp.sum(valid_BA & agree_BA, axis=1) / jnp.maximum(count_B, 1)
-    after_BA = valid_BA[:, 1:] & (valid_BA & agree_BA)[:, :-1]  # positions after an agreement
+    rate_B = jnp.sum(agree_BA, axis=1) / jnp.maximum(count_B, 1)
+    after_BA = valid_BA[:, 1:] * agree_BA[:, :-1]  # positions after an agreement
     after_B = jnp.sum(after_BA, axis=1)
-    run_B = jnp.sum(after_BA & agree_BA[:, 1:], axis=1) / jnp.maximum(after_B, 1)
+    run_B = jnp.sum(after_BA * agree_BA[:, 1:], axis=1) / jnp.maximum(after_B, 1e-6)
     step = lambda n_B: (1.0 - (1.0 - learning_rate) ** n_B)[:, None]  # 0 where nothing seen
     first_B1 = self.estimate_BG[:, :1] + step(count_B) * (rate_B[:, None]
                                                           - self.estimate_BG[:, :1])
@@ -174,7 +180,7 @@ class AdaptiveStats:
         estimate_BG=estimate_BG.astype(self.estimate_BG.dtype),
         first_seen_B=self.first_seen_B + count_B.astype(jnp.int32),
         first_accepted_B=self.first_accepted_B
-        + jnp.sum(valid_BA & agree_BA, axis=1).astype(jnp.int32))
+        + jnp.sum(agree_BA, axis=1).astype(self.first_accepted_B.dtype))
 
   def learn_primary_hindsight(self, agree_BA, valid_BA,
                               learning_rate: float) -> "AdaptiveStats":
@@ -248,7 +254,7 @@ class AdaptiveStats:
         admitted_B=self.admitted_B + admitted_B * active_i,
         first_seen_B=self.first_seen_B + seen_BG[:, 0].astype(jnp.int32),
         first_accepted_B=self.first_accepted_B
-        + (seen_BG[:, 0] & (num_accepted_B > 0)).astype(jnp.int32))
+        + (seen_BG[:, 0] & (num_accepted_B > 0)).astype(self.first_accepted_B.dtype))
 
 
 @struct.dataclass

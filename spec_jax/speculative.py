@@ -63,6 +63,10 @@ class SpecState:
   failed_B: jax.Array
   # token counts the penalties read (SamplingConfig.has_penalties); None without penalties
   counts: TokenCounts | None = None
+  # [B, S] float32: the target's warped probability of each token a plain step drew, at its
+  # position in seq_BS (drafter.SampledHindsight); only where a sampled gamma="auto" run
+  # learns in hindsight, else None
+  followed_prob_BS: jax.Array | None = None
 
 
 def candidates(draft_tokens_BG, num_accepted_B, next_B):
@@ -170,7 +174,7 @@ def commit_round(*, drafter: Drafter, draft_params, lengths_B, budget_B, eos_id,
   metrics = state.metrics.update(~state.done_B, num_accepted_B, count_B, verified_B)
   counts = None if state.counts is None else state.counts.add(new_BG1, count_B)
   return SpecState(seq_BS, pending_B, state.num_generated_B + count_B, done_B, cache, draft_state,
-                   key, metrics, state.failed_B | bad_B, counts)
+                   key, metrics, state.failed_B | bad_B, counts, state.followed_prob_BS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +225,13 @@ class SpeculativeProgram:
         remaining_tokens_B=remaining_tokens(done_B, num_generated_B, budget_B),
         target_logits_BPV=logits_BPV, **({} if costs is None else {"costs": costs}))
     return SpecState(seq_BS, pending_B, num_generated_B, done_B, cache, draft_state, key, metrics,
-                     failed_B, counts)
+                     failed_B, counts, self.followed_probs(seq_BS))
+
+  def followed_probs(self, seq_BS):
+    """SpecState.followed_prob_BS's initial value: None (only sampled adaptive programs that
+    learn in hindsight record the target's probabilities)."""
+    del seq_BS
+    return None
 
   def init_drafter(self, draft_params, prompt: PromptInfo, metrics: SpecMetrics, *,
                    remaining_tokens_B, target_logits_BPV):

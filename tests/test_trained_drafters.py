@@ -20,7 +20,7 @@ from conftest import REPO, STORIES_DIR, require_shared, tiny_llama
 from spec_jax.models.drafter_heads import HeadParams, shared_head
 from spec_jax.training import distill as td
 from spec_jax.losses import shift_left, target_outputs
-from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo, SampledHindsight
 from spec_jax.drafters.eagle import EagleTreeDrafter
 from spec_jax.drafters.medusa import MedusaTreeDrafter
 from spec_jax.drafters.mtp import MTPTreeDrafter
@@ -562,6 +562,23 @@ def test_eagle_hindsight_is_its_greedy_first_draft(stories, story_reference, tra
     first_B = np.asarray(propose(ctx(pending_B)))
     np.testing.assert_array_equal(agree_BW[:, w], first_B == np.asarray(seq_BS)[rows, pending_B + 1])
   assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
+  # sampled (drafters.SampledHindsight): min(1, q(y) / p(y)) with q the distribution propose
+  # draws its first draft from at that position, y the token that followed, p(y) as recorded
+  assert drafter.has_sampled_hindsight
+  sampling = SamplingConfig(1.0)
+  prob_BS = jax.random.uniform(jax.random.key(1), seq_BS.shape, minval=0.05, maxval=1.0)
+  sampled_ctx = ctx(at_B).replace(sampled_hindsight=SampledHindsight(prob_BS, sampling))
+  _, score_BW = jax.jit(drafter.catch_up_with_hindsight, static_argnums=(3, 4))(
+      draft_params, state, sampled_ctx, rounds, 4)
+  q_first = jax.jit(lambda ctx: drafter.propose(draft_params, state, ctx, 1, sampling,
+                                                jax.random.key(0))[1][:, 0])
+  for w in range(seen):
+    pending_B = at_B - seen + w
+    y_B = np.asarray(seq_BS)[rows, pending_B + 1]
+    q_B = np.asarray(q_first(ctx(pending_B)))[rows, y_B]
+    np.testing.assert_allclose(score_BW[:, w], np.minimum(1.0, q_B / np.asarray(prob_BS)[
+        rows, pending_B + 1]), rtol=1e-4, atol=1e-7)
+  assert 0 < float(np.mean(score_BW)) < 1 and float(np.min(score_BW)) < 0.5
 
 
 def _prompt_guesses(stories, story_reference, trained, kind):

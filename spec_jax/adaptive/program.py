@@ -43,6 +43,18 @@ def _adaptive_program_class():
       """The rounds' idle rounds between probes (AdaptiveRound.probe_every)."""
       return self.round_fn.probe_every(self.drafter, self.sampling)
 
+    @property
+    def records_followed_probs(self) -> bool:
+      """Static: a sampled run whose stretches learn in hindsight (AdaptiveRound.watches):
+      its plain steps record the target's probability of each token they draw."""
+      return (not self.sampling.is_greedy
+              and self.round_fn.watches(self.drafter, self.sampling, self.verifier))
+
+    def followed_probs(self, seq_BS):
+      if not self.records_followed_probs or self.drafts_never(seq_BS.shape[0]):
+        return None
+      return jnp.zeros(seq_BS.shape, jnp.float32)
+
     def drafts_never(self, batch: int) -> bool:
       """Static, from the cost table and the rules alone: no round of any run of this
       program at this batch size drafts. That holds where the first round plans a plain
@@ -120,11 +132,12 @@ def _adaptive_program_class():
       -> (the drafter's state, agree_BA [B, A]: whether its greedy first draft after each of
       the last A = min(HINDSIGHT_WIDTH, P) prompt positions is the target's greedy token
       there, guessed_BA: where it has a guess); valid_BA: the positions a row's prompt
-      has. Only for programs that watch in hindsight (greedy, no logit processing: the
-      target's raw greedy token is the one it emits) and drafters whose prefill gives
-      guesses (Drafter.init_with_guesses)."""
-      if (not self.adaptive.rules.prompt_look or self.sampling.processes_logits
-          or not self.drafter.guesses_at_init
+      has. Only for greedy programs that watch in hindsight (no logit processing: the
+      target's raw greedy token is the one it emits; a prompt is not a sample of the
+      target, so a sampled run's stretches alone learn in hindsight) and drafters whose
+      prefill gives guesses (Drafter.init_with_guesses)."""
+      if (not self.adaptive.rules.prompt_look or not self.sampling.is_greedy
+          or self.sampling.processes_logits or not self.drafter.guesses_at_init
           or not self.round_fn.watches(self.drafter, self.sampling, self.verifier)):
         return None
       width = prompt.tokens_BP.shape[1]

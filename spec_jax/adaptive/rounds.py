@@ -22,8 +22,8 @@ from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, cho
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
                                     split_unless_greedy)
-from spec_jax.drafters.base import HINDSIGHT_WIDTH, Drafter
-from spec_jax.generate import decode_token, finite_prefix, remaining_tokens
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, Drafter, SampledHindsight
+from spec_jax.generate import decode_token, finite_prefix, remaining_tokens, write_tokens
 from spec_jax.metrics import AdaptiveStats
 
 # The catch-up passes compiled for a drafter that skips rounds: after at most the last
@@ -230,13 +230,18 @@ class AdaptiveRound:
 
   def watches(self, drafter: Drafter, sampling: SamplingConfig, verifier) -> bool:
     """Static: whether plain stretches learn the estimates in hindsight (the drafter's
-    catch-ups report its greedy guesses: Drafter.catch_up_with_hindsight) instead of
-    probing. Greedy runs only, under a verifier that accepts a greedy draft exactly where it
-    is the target's greedy token: a sampled token is not the acceptance of a draft, and
-    neither is agreement under a verifier that says otherwise (`agreement_is_acceptance =
-    False`: the benchmarks' CoinVerifier, whose coins a random draft's guesses, agreeing
-    nowhere, had made it give up on at the prompt)."""
-    return (self.config.rules.hindsight and drafter.has_hindsight and sampling.is_greedy
+    catch-ups report how its drafts would have fared: Drafter.catch_up_with_hindsight)
+    instead of probing. Greedy runs: agreement with the target's greedy token. Sampled runs,
+    for drafters that can score them (Drafter.has_sampled_hindsight) under settings that
+    warp each distribution alone (no penalties or min_new_tokens: a past position's q
+    would need its history): min(1, q(y) / p(y)) for the token y each plain step drew,
+    whose mean is the acceptance probability sum_x min(p, q) (drafters.SampledHindsight).
+    Not under a verifier whose acceptance is neither (`agreement_is_acceptance = False`:
+    the benchmarks' CoinVerifier, whose coins a random draft's guesses, agreeing nowhere,
+    had made it give up on at the prompt)."""
+    scored = sampling.is_greedy or (drafter.has_sampled_hindsight
+                                    and not sampling.processes_logits)
+    return (self.config.rules.hindsight and drafter.has_hindsight and scored
             and getattr(verifier, "agreement_is_acceptance", True) and not self.forced)
 
   def costs_of(self, stats: AdaptiveStats):
@@ -566,7 +571,8 @@ class AdaptiveRound:
           return state, jnp.pad(agree_BA, ((0, 0), (guessed - agree_BA.shape[1], 0)))
         return run
 
-      zeros_BA = jnp.zeros((steps_B.shape[0], guessed), bool)
+      zeros_BA = jnp.zeros((steps_B.shape[0], guessed),
+                           bool if ctx.sampled_hindsight is None else jnp.float32)
       draft_state, agree_BA = switch_in_place(pick, [hindsight(w) for w in CATCH_UP_WIDTHS],
                                               (draft_state, zeros_BA))
       # each row's own steps of this chunk are the last of the window
@@ -581,6 +587,8 @@ class AdaptiveRound:
           one,
           (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
+      if watch and s.followed_prob_BS is not None:  # a sampled run's scores (watches)
+        ctx = ctx.replace(sampled_hindsight=SampledHindsight(s.followed_prob_BS, sampling))
       draft_state, seen = catch_up(s.draft_state, ctx, i - start, steps_B - active_steps_B)
       s = s.replace(draft_state=draft_state, metrics=s.metrics.replace(
           adaptive=s.metrics.adaptive.charged(catch_up_steps(s.metrics.adaptive))))
@@ -707,7 +715,7 @@ class AdaptiveRound:
     # the key outlives the stretch, so a greedy step's split would not be dropped as dead
     key, step_key = split_unless_greedy(s.key, 2, sampling)
     (seq_BS, pending_B, num_generated_B, done_B, bad_B, count_B, cache, counts,
-     hidden_BD) = decode_token(
+     hidden_BD, prob_B) = decode_token(
         target, params, sampling, lengths_B, budget_B, eos_id, step_key, s.seq_BS, s.pending_B,
         s.num_generated_B, s.done_B, s.cache, s.counts)
     # drafters that read the target's hidden states keep the pending token's (rows that fed
@@ -716,9 +724,13 @@ class AdaptiveRound:
         draft_params, s.draft_state, hidden_BD, s.cache.length_B, count_B > 0)
     # the pending token's position, as commit_round keeps it: a row that emitted moves on
     cache = cache.with_length(cache.length_B + (count_B > 0).astype(jnp.int32))
+    followed_prob_BS = s.followed_prob_BS
+    if record and followed_prob_BS is not None:  # what a sampled catch-up scores against
+      followed_prob_BS = write_tokens(followed_prob_BS, lengths_B + s.num_generated_B,
+                                      prob_B[:, None], count_B)
     return s.replace(seq_BS=seq_BS, pending_B=pending_B, num_generated_B=num_generated_B,
                      done_B=done_B, cache=cache, key=key, failed_B=s.failed_B | bad_B,
-                     counts=counts, draft_state=draft_state)
+                     counts=counts, draft_state=draft_state, followed_prob_BS=followed_prob_BS)
 
   def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                     cost_G1, probe, planned, s, useful_B=None, primary_B=None,

@@ -49,6 +49,23 @@ class PromptInfo:
 
 
 @struct.dataclass
+class SampledHindsight:
+  """What a sampled run's catch-up needs to say, in hindsight, how often a round started at
+  a past position would have accepted its first draft (Drafter.catch_up_with_hindsight).
+
+  A draft x ~ q is accepted with probability min(1, p(x) / q(x)), on average sum_x min(p, q).
+  The token y that a plain step drew from the target's p is a sample of p, and
+  E_y~p[min(1, q(y) / p(y))] = sum_y min(p(y), q(y)): so min(1, q(y) / p(y)) at each past
+  position is an unbiased estimate of that position's acceptance, read from the target's
+  probability of the token it drew (recorded by each plain step) and the draft's of the
+  same token. Past positions only: lossless."""
+  # [B, S] float32: the target's warped probability of the token at each position, written
+  # by the plain steps that drew it (SpecState.followed_prob_BS; other positions unread)
+  followed_prob_BS: jax.Array
+  sampling: SamplingConfig = struct.field(pytree_node=False)  # how q is warped (no history)
+
+
+@struct.dataclass
 class DraftContext:
   """The state of generation at the start of a round."""
   seq_BS: jax.Array  # [B, S] prompt + generated tokens; the pending token is the last one
@@ -69,6 +86,9 @@ class DraftContext:
   # [] bool, or None: with primary_B, no row drafts from the secondary this round (the rows
   # that do not take the primary are not verified; the secondary only catches up)
   secondary_off: jax.Array | None = None
+  # a sampled run's catch-up in hindsight (Drafter.has_sampled_hindsight): what it scores
+  # its drafts with; None in greedy runs (agreement with the target's greedy token)
+  sampled_hindsight: SampledHindsight | None = None
 
 
 @struct.dataclass
@@ -194,8 +214,16 @@ class Drafter:
     drafter whose later drafts read only the tokens before them (a draft model), draft j of
     a round whose earlier drafts were accepted: the adaptive rounds learn their estimates
     from it over a plain stretch instead of probing (spec_jax.adaptive). None: not known
-    (has_hindsight False)."""
+    (has_hindsight False). With ctx.sampled_hindsight (a sampled run, only for drafters
+    with has_sampled_hindsight), agree_BA is float32 in [0, 1]: each position's estimated
+    acceptance, min(1, q(y) / p(y)) (SampledHindsight)."""
     return self.catch_up_after(params, state, ctx, rounds, gamma), None
+
+  @property
+  def has_sampled_hindsight(self) -> bool:
+    """Whether catch_up_with_hindsight also scores sampled runs (ctx.sampled_hindsight):
+    its catch-up has the draft's logits at the positions it reports."""
+    return False
 
   def init_with_guesses(self, params, prompt: PromptInfo,
                         positions_BA: jax.Array) -> tuple[Any, jax.Array | None]:

@@ -323,6 +323,12 @@ class FallbackDrafter(Drafter):
     # keeps lookup's record apart (it learns from lookup's rounds and primary_hindsight)
     return self.has_sources and self.secondary.has_hindsight
 
+  @property
+  def has_sampled_hindsight(self) -> bool:
+    # (lookup's copies are one-hot drafts: agreement with the token a plain step drew is
+    # already an unbiased estimate of their acceptance, p(copy))
+    return self.has_hindsight and self.secondary.has_sampled_hindsight
+
   def catch_up_with_hindsight(self, params, state: FallbackState, ctx: DraftContext,
                               rounds: int, gamma: int):
     # the secondary's guesses at every position, lookup's matches or not: they speak for

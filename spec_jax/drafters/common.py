@@ -185,9 +185,26 @@ def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: i
   if split:  # keys and values alone
     cache = model.apply(params, tokens_BW[:, :split], window_BW[:, :split], cache)[2]
   logits_BAV, _, cache = model.apply(params, tokens_BW[:, split:], window_BW[:, split:], cache)
-  followed_BA = jnp.take_along_axis(ctx.seq_BS, window_BW[:, split:] + 1, axis=1)
   return (cache.with_length(ctx.position_B),
-          greedy(logits_BAV) == followed_BA)
+          hindsight_scores(logits_BAV, window_BW[:, split:] + 1, ctx))
+
+
+def hindsight_scores(logits_BAV: jax.Array, followed_BA: jax.Array,
+                     ctx: DraftContext) -> jax.Array:
+  """How the first draft of a round started before each position in followed_BA ([B, A],
+  of ctx.seq_BS) would have fared, the draft's logits there [B, A, V] (teacher-forced):
+  greedy, [B, A] bool, whether its greedy token is the one that followed; sampled
+  (ctx.sampled_hindsight), [B, A] float32, min(1, q(y) / p(y)) for the token y that followed,
+  an unbiased estimate of the acceptance probability sum_x min(p, q) (SampledHindsight)."""
+  token_BA = jnp.take_along_axis(ctx.seq_BS, followed_BA, axis=1)
+  hindsight = ctx.sampled_hindsight
+  if hindsight is None:
+    return greedy(logits_BAV) == token_BA
+  logq_BA = jnp.take_along_axis(warp_logits(logits_BAV, hindsight.sampling),
+                                token_BA[..., None], axis=-1)[..., 0]
+  p_BA = jnp.take_along_axis(hindsight.followed_prob_BS, followed_BA, axis=1)
+  # (p(y) > 0 for a drawn y; the floor only keeps an unread slot's 0 from dividing)
+  return jnp.minimum(jnp.exp(logq_BA) / jnp.maximum(p_BA, 1e-30), 1.0)
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:

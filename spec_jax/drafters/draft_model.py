@@ -105,6 +105,10 @@ class DraftModelDrafter(Drafter):
   def has_hindsight(self) -> bool:
     return True
 
+  @property
+  def has_sampled_hindsight(self) -> bool:
+    return True  # (its catch-up has the model's logits: common.hindsight_scores)
+
   def catch_up_with_hindsight(self, params, state: DraftModelState, ctx: DraftContext,
                               rounds: int, gamma: int):
     # the catch-up's second pass has the model's logits at the last fed positions: its

@@ -38,9 +38,9 @@ from flax import struct
 
 from spec_jax.drafters.base import (HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo,
                                    RoundOutcome, TreeDrafter)
-from spec_jax.drafters.common import (autoregressive_drafts, gather_positions, prompt_features,
-                                     store_step_features, store_verified_features,
-                                     tree_log_probs, window_positions)
+from spec_jax.drafters.common import (autoregressive_drafts, gather_positions,
+                                     hindsight_scores, prompt_features, store_step_features,
+                                     store_verified_features, tree_log_probs, window_positions)
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
 from spec_jax.losses import (TargetOutputs, positions_of, shift_left, smooth_l1, token_loss)
 from spec_jax.models.drafter_heads import EagleConfig, EagleModel
@@ -128,10 +128,10 @@ def eagle_catch_up_with_hindsight(model, params, state: EagleState, ctx: DraftCo
                       state.cache, last_logits_only=True)[2]
   _, feats_BUD, cache = model.apply(params, features_BWD[:, split:], next_BW[:, split:],
                                     pos_BW[:, split:], cache, last_logits_only=True)
-  guess_BA = greedy(params.shared.logits(feats_BUD[:, :seen]))
-  followed_BA = gather_positions(ctx.seq_BS, pos_BW[:, split:-1] + 2)
+  followed_BA = jnp.clip(pos_BW[:, split:-1] + 2, 0, ctx.seq_BS.shape[1] - 1)
   state = EagleState(cache.with_length(ctx.position_B), state.features_BSD)
-  return state, guess_BA.astype(jnp.int32) == followed_BA
+  # (greedy: agreement; sampled: min(1, q(y) / p(y)), q its first draft's distribution)
+  return state, hindsight_scores(params.shared.logits(feats_BUD[:, :seen]), followed_BA, ctx)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +186,10 @@ class EagleDrafter(Drafter):
   @property
   def has_hindsight(self) -> bool:
     return True
+
+  @property
+  def has_sampled_hindsight(self) -> bool:
+    return True  # (its catch-up has the first draft's logits)
 
   def catch_up_with_hindsight(self, params, state: EagleState, ctx: DraftContext,
                               rounds: int, gamma: int):

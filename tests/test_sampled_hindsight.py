@@ -1,0 +1,160 @@
+"""Sampled runs of gamma="auto" learn in hindsight (drafters.SampledHindsight): each plain
+step records the target's probability p(y) of the token y it drew, and a catch-up scores its
+draft model's q at the same positions as min(1, q(y) / p(y)), an unbiased estimate of the
+acceptance probability sum_x min(p, q). Checked: the score itself, its mean against the exact
+acceptance (with two wrong estimators as controls), what a run learns against the exact
+acceptance of its own positions, and the distribution with hindsight steering the rounds."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conftest import perturbed
+from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
+from spec_jax.core.sampling import SamplingConfig, warped_probs
+from spec_jax.drafters.base import DraftContext, SampledHindsight
+from spec_jax.drafters.common import hindsight_scores
+from spec_jax.drafters.draft_model import DraftModelDrafter
+from spec_jax.engine import prepare_program, speculate
+from spec_jax.generate import pad_prompts
+from spec_jax.metrics import summarize
+from spec_jax.testing import tiny_llama
+from test_speculative import (DEPTH, PROMPT, SAMPLES, SIGNIFICANCE, exact_joint,  # noqa: F401
+                              pvalue_vs_exact, small_pair)
+
+# the estimator's mean must sit within this many standard errors of the exact acceptance
+# (fixed before running: a correct estimator fails about once in 10^6 draws of the test)
+Z = 5.0
+
+
+def _context(seq_BS, prob_BS=None, sampling=None):
+  batch = seq_BS.shape[0]
+  hindsight = None if prob_BS is None else SampledHindsight(jnp.asarray(prob_BS), sampling)
+  return DraftContext(jnp.asarray(seq_BS), jnp.full((batch,), seq_BS.shape[1] - 1, jnp.int32),
+                      jnp.asarray(seq_BS[:, -1]), sampled_hindsight=hindsight)
+
+
+def test_the_score_is_min_of_one_and_q_over_p_at_the_token_that_followed():
+  rng = np.random.default_rng(0)
+  batch, length, width, vocab = 3, 10, 4, 7
+  seq_BS = rng.integers(0, vocab, (batch, length)).astype(np.int32)
+  prob_BS = rng.uniform(0.05, 1.0, (batch, length)).astype(np.float32)
+  logits_BAV = jnp.asarray(rng.normal(size=(batch, width, vocab)) * 2, jnp.float32)
+  followed_BA = np.array([[5, 6, 7, 8], [6, 7, 8, 9], [1, 2, 3, 4]], np.int32)
+  sampling = SamplingConfig(0.7, top_k=5)
+  got = np.asarray(hindsight_scores(logits_BAV, jnp.asarray(followed_BA),
+                                    _context(seq_BS, prob_BS, sampling)))
+  q_BAV = np.asarray(warped_probs(logits_BAV, sampling))
+  for b in range(batch):
+    for a in range(width):
+      y, t = seq_BS[b, followed_BA[b, a]], followed_BA[b, a]
+      assert math.isclose(got[b, a], min(1.0, q_BAV[b, a, y] / prob_BS[b, t]), rel_tol=1e-5)
+  assert (got >= 0).all() and (got <= 1).all() and (got < 1).any()
+  # greedy (no SampledHindsight): whether the draft's argmax is the token that followed
+  greedy = np.asarray(hindsight_scores(logits_BAV, jnp.asarray(followed_BA), _context(seq_BS)))
+  expected = np.argmax(np.asarray(logits_BAV), -1) == np.take_along_axis(seq_BS, followed_BA, 1)
+  np.testing.assert_array_equal(greedy, expected)
+
+
+def test_the_score_estimates_the_acceptance_probability():
+  """y ~ p: the mean of min(1, q(y) / p(y)) is sum_x min(p, q), the probability that a draft
+  drawn from q is accepted. Two wrong estimators read off the same draws fail: the ratio the
+  other way up (a draft's acceptance ratio, read at the target's token) and the greedy
+  agreement a greedy run uses."""
+  rng = np.random.default_rng(1)
+  draws, vocab = 40_000, 6
+  for case in range(4):
+    p = rng.dirichlet(np.full(vocab, 0.7))
+    q = rng.dirichlet(np.full(vocab, 0.7))
+    exact = np.minimum(p, q).sum()
+    y = rng.choice(vocab, size=draws, p=p)
+    seq_BS = np.concatenate([np.zeros((draws, 1), np.int32), y[:, None].astype(np.int32)], 1)
+    logits_BAV = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (draws, 1, vocab))
+    prob_BS = np.stack([np.ones(draws), p[y]], 1).astype(np.float32)
+    score = np.asarray(hindsight_scores(logits_BAV, jnp.ones((draws, 1), jnp.int32),
+                                        _context(seq_BS, prob_BS, SamplingConfig(1.0))))[:, 0]
+    stderr = score.std() / math.sqrt(draws)
+    assert abs(score.mean() - exact) < Z * stderr, (case, score.mean(), exact)
+    for wrong in (np.minimum(1.0, p[y] / q[y]), (y == np.argmax(q)).astype(float)):
+      assert abs(wrong.mean() - exact) > Z * max(wrong.std() / math.sqrt(draws), stderr), case
+
+
+def test_a_sampled_stretch_learns_the_acceptance_of_its_positions():
+  """A noisy draft model under gamma="auto", sampled, where drafting would pay only at a
+  first-draft acceptance above 0.9 (it never drafts): a check after every plain step scores
+  that step's token, so the record's rate (first drafts accepted / seen, all in hindsight) is
+  the mean of the scores over the run's positions. It must match the exact acceptance
+  sum_x min(p, q) at those positions, computed from both models' distributions over the
+  generated sequences."""
+  target, tp = tiny_llama(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                          hidden_dim=32, seed=5)
+  dp = perturbed(tp, 0.6, seed=6)
+  sampling = SamplingConfig(1.0)
+  batch, new = 48, 24
+  rng = np.random.default_rng(2)
+  prompts = pad_prompts([list(rng.integers(1, 32, 5)) for _ in range(batch)])
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.92, 2.9, 4.8),
+                       draft_cost=0.0,
+                       rules=AdaptiveRules(prior=0.0, probe_every=1, probe_growth=1, give_up=0.0,
+                                           min_gain=0.0, probe_share=0.0,
+                                           loss_budget=math.inf))
+  program, _ = prepare_program(target, DraftModelDrafter(target), *prompts, gamma=cfg,
+                               max_new_tokens=new, sampling=sampling, key=jax.random.key(3))
+  assert program.records_followed_probs  # (sampled, and the drafter scores its catch-ups)
+  out = speculate(target, tp, DraftModelDrafter(target), dp, *prompts, gamma=cfg,
+                  max_new_tokens=new, sampling=sampling, key=jax.random.key(3))
+  m = summarize(out.metrics)
+  assert m["rounds"] == m["adaptive"]["undrafted_rounds"], m  # plain steps only
+  stats = out.metrics.adaptive
+  seen = int(np.sum(stats.first_seen_B))
+  # each row's plain-step tokens, each once, from token 2 (the first is the prefill's) until
+  # the last few, past the last check (a probe's window: AdaptiveRound.plan's last_probe)
+  steps = seen // batch
+  assert seen == batch * steps and new // 2 < steps < new - 1, seen
+  learned = float(np.sum(stats.first_accepted_B)) / seen
+
+  tokens_BP, lengths_B = prompts
+  exact = []
+  for b in range(batch):
+    seq = np.concatenate([np.asarray(tokens_BP[b, :lengths_B[b]]), np.asarray(out.tokens[b])])
+    pos = np.arange(len(seq))[None]
+    p_SV, q_SV = (np.asarray(warped_probs(model_logits, sampling)) for model_logits in (
+        target.apply(params, seq[None], pos, target.init_cache(1, len(seq)))[0][0]
+        for params in (tp, dp)))
+    # the distributions that drew generated tokens 2 .. steps + 1
+    rows = slice(int(lengths_B[b]), int(lengths_B[b]) + steps)
+    exact.extend(np.minimum(p_SV[rows], q_SV[rows]).sum(-1))
+  exact = np.asarray(exact)
+  # the scores' spread bounds the standard error; the positions are the same ones
+  assert abs(learned - exact.mean()) < Z * 0.5 / math.sqrt(seen), (learned, exact.mean())
+  assert 0.2 < exact.mean() < 0.9  # (a draft neither useless nor the target)
+
+
+def test_sampled_distribution_with_hindsight_steering_the_rounds(small_pair):
+  """The distribution test with sampled hindsight deciding when rounds draft: one row with a
+  longer budget sets the batch's finish, a check after its first plain step lifts the
+  estimates from a low prior, and the rounds that follow draft for every row. Decided from
+  past tokens only, so the first tokens still follow the target."""
+  target, tp = small_pair[:2]
+  sampling = SamplingConfig(1.0)
+  joint = exact_joint(target, tp, PROMPT, DEPTH, sampling)
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.2, 1.4, 1.8), draft_cost=0.1,
+                       rules=AdaptiveRules(prior=0.3, learning_rate=0.5, probe_every=1,
+                                           initial_gamma=4))
+  out = speculate(target, tp, DraftModelDrafter(target), perturbed(tp, 0.7, seed=3),
+                  *pad_prompts([PROMPT] * SAMPLES), gamma=cfg, max_new_tokens=DEPTH + 9,
+                  budgets_B=[DEPTH + 9] + [DEPTH + 3] * (SAMPLES - 1), sampling=sampling,
+                  key=jax.random.key(1))
+  m = summarize(out.metrics)
+  stats = out.metrics.adaptive
+  # one plain stretch, checked in hindsight (one position a row: first drafts seen beyond
+  # the verified ones, a row-round each), then drafted rounds that accepted drafts
+  assert m["adaptive"]["undrafted_rounds"] == 1, m["adaptive"]
+  assert int(np.sum(out.metrics.accepted_B)) > SAMPLES // 2, m
+  verified_first = int(np.sum(stats.admitted_hist_G1[1:]))
+  assert int(np.sum(stats.first_seen_B)) - verified_first == SAMPLES, m["adaptive"]
+  assert pvalue_vs_exact(out.tokens, joint) > SIGNIFICANCE
