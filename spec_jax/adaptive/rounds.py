@@ -134,7 +134,9 @@ class AdaptiveRound:
 
   def primary_learns_from_round(self, drafter: Drafter, sampling, eos_id, gamma: int, s, new,
                                 other_B):
-    """After a drafted round in a greedy run of a drafter with sources: the primary's record
+    """After a drafted round of a watching run (greedy, or sampled: the token each position
+    emitted follows the target's p, so agreement with lookup's one-hot copy is an unbiased
+    estimate of its acceptance p(copy)) of a drafter with sources: the primary's record
     learns in hindsight (primary_hindsight) whether it would have drafted, and drafted
     right, at each position the round emitted, on the rows that drafted from the other
     source (other_B [B] bool). Otherwise a record that fell behind the model's would never
@@ -534,9 +536,10 @@ class AdaptiveRound:
     step (AdaptiveConfig.keeps_drafter_in_step: the caller reads the final drafter state,
     or stretches are capped, max_stretch, and the next round decides again).
 
-    watch: each catch-up also says how the drafter's greedy drafts would have fared over
-    the steps it covers (catch_up_with_hindsight); the estimates learn from that, as from
-    verified drafts, and the stretch ends after the first catch-up whose plan drafts. It
+    watch: each catch-up also says how the drafter's drafts would have fared over the steps
+    it covers (catch_up_with_hindsight: greedy agreement, or a sampled run's scores); the
+    estimates learn from that, as from verified drafts, and the stretch ends after the
+    first catch-up whose plan drafts. It
     runs as long as a probing stretch would (steps_to_probe), and one that found nothing
     stands for a probe that was not promising: no probe verifies drafts only to reject
     them, and a useless draft's catch-ups stop where its probes would.
@@ -587,7 +590,10 @@ class AdaptiveRound:
           one,
           (start, active_steps_B, s))
       ctx = round_inputs(s, sampling, eos_id)[0]
-      if watch and s.followed_prob_BS is not None:  # a sampled run's scores (watches)
+      if watch and not sampling.is_greedy:  # a sampled run's scores (watches)
+        if s.followed_prob_BS is None:  # (static) greedy agreement would be a biased score
+          raise ValueError("a sampled run that watches in hindsight needs the target's "
+                           "probabilities (AdaptiveProgram.followed_probs)")
         ctx = ctx.replace(sampled_hindsight=SampledHindsight(s.followed_prob_BS, sampling))
       draft_state, seen = catch_up(s.draft_state, ctx, i - start, steps_B - active_steps_B)
       s = s.replace(draft_state=draft_state, metrics=s.metrics.replace(

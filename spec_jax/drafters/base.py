@@ -289,8 +289,9 @@ class Drafter:
     [B, width] over the last `width` positions before ctx's pending one: whether the
     primary would have drafted there (found) and its first draft was the token that
     followed (agree). A plain stretch learns the primary's record from it, as it learns
-    the secondary's from catch_up_with_hindsight, and so does a greedy drafted round on the
-    rows that drafted from the secondary."""
+    the secondary's from catch_up_with_hindsight, and so does a drafted round on the rows
+    that drafted from the secondary (greedy or sampled: a copy is one-hot, so agreement with
+    a token drawn from the target's p estimates its acceptance, p(copy))."""
     raise NotImplementedError(f"{type(self).__name__} has one source of drafts")
 
   def propose_for_timing(self, params, state, ctx: DraftContext, gamma: int,

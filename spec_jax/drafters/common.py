@@ -173,9 +173,10 @@ def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: i
   pending one (positions L-width .. L-1) through `model` in one pass -> its cache, valid
   below L. Clamped at 0 early on: repeated (token 0, position 0) entries write the same
   values. hindsight: -> (cache, agree_BA), whether the model's greedy next token at each of
-  the last A = min(width, HINDSIGHT_WIDTH) of those positions is the token that followed
-  (Drafter.catch_up_with_hindsight): the window then runs as two passes, the second (the
-  last A tokens, attending to what the first wrote) with outputs."""
+  the last A = min(width, HINDSIGHT_WIDTH) of those positions is the token that followed,
+  or in a sampled run its score there (hindsight_scores; Drafter.catch_up_with_hindsight):
+  the window then runs as two passes, the second (the last A tokens, attending to what the
+  first wrote) with outputs."""
   window_BW = jnp.maximum(
       ctx.position_B[:, None] + jnp.arange(-width, 0, dtype=jnp.int32)[None, :], 0)
   tokens_BW = jnp.take_along_axis(ctx.seq_BS, window_BW, axis=1)
@@ -203,8 +204,10 @@ def hindsight_scores(logits_BAV: jax.Array, followed_BA: jax.Array,
   logq_BA = jnp.take_along_axis(warp_logits(logits_BAV, hindsight.sampling),
                                 token_BA[..., None], axis=-1)[..., 0]
   p_BA = jnp.take_along_axis(hindsight.followed_prob_BS, followed_BA, axis=1)
-  # (p(y) > 0 for a drawn y; the floor only keeps an unread slot's 0 from dividing)
-  return jnp.minimum(jnp.exp(logq_BA) / jnp.maximum(p_BA, 1e-30), 1.0)
+  # (p(y) > 0 for a drawn y; the floor only keeps an unread slot's 0 from dividing; a draft
+  # with non-finite logits scores 0, a miss, as greedy agreement counts it)
+  score_BA = jnp.minimum(jnp.exp(logq_BA) / jnp.maximum(p_BA, 1e-30), 1.0)
+  return jnp.where(jnp.isnan(score_BA), 0.0, score_BA)
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:

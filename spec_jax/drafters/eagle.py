@@ -115,10 +115,11 @@ def eagle_catch_up_with_hindsight(model, params, state: EagleState, ctx: DraftCo
   """eagle_catch_up over a stretch of `rounds` plain steps after a round of `gamma` drafts,
   and whether EAGLE's greedy first draft would have been the token that followed, for a
   round started at each of the last A = min(rounds + 1, HINDSIGHT_WIDTH) pending positions
-  L - A .. L - 1 -> (state, agree_BA). A round with pending token x_p drafts from the
-  element (f_{p-1}, x_p) at position p - 1, which the catch-up's window runs with true
-  features: the head on that element's predicted feature is that round's first draft
-  exactly, and it predicts x_{p+1}, known for every such p (x_L is the pending token)."""
+  L - A .. L - 1 -> (state, agree_BA; a sampled run's scores: common.hindsight_scores). A
+  round with pending token x_p drafts from the element (f_{p-1}, x_p) at position p - 1,
+  which the catch-up's window runs with true features: the head on that element's
+  predicted feature is that round's first draft exactly, and it predicts x_{p+1}, known
+  for every such p (x_L is the pending token)."""
   width = gamma + 1 + rounds
   seen = min(rounds + 1, HINDSIGHT_WIDTH)
   split = width - 1 - seen  # elements p - 1 = L - 1 - seen .. L - 2, then L - 1's (dead)
