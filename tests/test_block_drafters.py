@@ -199,7 +199,7 @@ def test_hindsight_and_prompt_guesses_are_the_greedy_first_drafts(tiny_target, k
   have been the token that followed; and at the prompt, the guesses themselves. Both are
   what propose drafts there. Draft j > 1 is slot j of that round's block, not slot 1 of a
   later one: the hindsight speaks for the first draft alone."""
-  from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo
+  from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo, SampledHindsight
   target, tp = tiny_target
   spec, own = _random_drafter(kind, target, seed=5)
   drafter, draft_params = spec.drafter, spec.draft_params(own, target, tp)
@@ -228,6 +228,23 @@ def test_hindsight_and_prompt_guesses_are_the_greedy_first_drafts(tiny_target, k
     followed_B = np.asarray(seq_BS)[rows, pending_B + 1]
     np.testing.assert_array_equal(agree_BA[:, a], np.asarray(first(pending_B)) == followed_B)
   assert 0 < np.mean(agree_BA) < 1  # both outcomes occur: the comparison can fail
+  # sampled (drafters.SampledHindsight): min(1, q(y) / p(y)), q the distribution propose
+  # draws the first draft from there (DSpark's: with the Markov bias from the pending token)
+  assert drafter.has_sampled_hindsight
+  sampling = SamplingConfig(1.0)
+  prob_BS = jax.random.uniform(jax.random.key(1), seq_BS.shape, minval=0.05, maxval=1.0)
+  hindsight = SampledHindsight(prob_BS, sampling)
+  _, score_BA = jax.jit(drafter.catch_up_with_hindsight, static_argnums=(3, 4))(
+      draft_params, state, ctx(at_B).replace(sampled_hindsight=hindsight), rounds, DRAFTS)
+  q_first = jax.jit(lambda pos_B: drafter.propose(draft_params, state, ctx(pos_B), 1, sampling,
+                                                  jax.random.key(0))[1][:, 0])
+  for a in range(HINDSIGHT_WIDTH):
+    pending_B = at_B - HINDSIGHT_WIDTH + a
+    followed_B = np.asarray(seq_BS)[rows, pending_B + 1]
+    q_B = np.asarray(q_first(pending_B))[rows, followed_B]
+    np.testing.assert_allclose(score_BA[:, a], np.minimum(
+        1.0, q_B / np.asarray(prob_BS)[rows, pending_B + 1]), rtol=1e-4, atol=1e-7)
+  assert 0 < float(np.mean(score_BA)) < 1
   # the look at the prompt: guesses at every prompt position after the first, from the
   # prefill's context
   tokens_BP, lengths_B = prompts

@@ -49,7 +49,7 @@ from flax import nnx, struct
 from spec_jax.core.kv_cache import KVCache, write_rows
 from spec_jax.core.sampling import SamplingConfig, greedy
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo, RoundOutcome
-from spec_jax.drafters.common import draw, gather_positions, window_positions
+from spec_jax.drafters.common import draw, gather_positions, hindsight_scores, window_positions
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
 from spec_jax.losses import (TOKEN_LOSSES, TargetOutputs, cross_entropy_with_integer_labels)
 from spec_jax.models.drafter_heads import BlockDrafterModel, HeadParams
@@ -429,6 +429,10 @@ class DFlashDrafter(Drafter):
     return True
 
   @property
+  def has_sampled_hindsight(self) -> bool:
+    return True  # (its look back has the first draft's logits)
+
+  @property
   def hindsight_speaks_for_later_drafts(self) -> bool:
     return False  # draft j is slot j of the round's own block, not slot 1 of a later block
 
@@ -437,11 +441,15 @@ class DFlashDrafter(Drafter):
     # the stretch's plain steps wrote every position's context below L (record_plain_step):
     # entry a is the round whose pending token sat at q = L - A + a, one block each, and its
     # first draft predicts x_{q+1}, known for every such q (x_L is the pending token)
+    # (greedy: agreement; sampled: min(1, q(y) / p(y)), q the first draft's distribution,
+    # first_draft_logits being what propose draws it from)
     seen = min(rounds + 1, HINDSIGHT_WIDTH)
     q_BA = jnp.maximum(window_positions(ctx.position_B, seen), 0)
     pending_BA = gather_positions(ctx.seq_BS, q_BA)
-    guess_BA = self.first_drafts(params, pending_BA, q_BA, state.cache)
-    return state, guess_BA == gather_positions(ctx.seq_BS, q_BA + 1)
+    h_BAD = self.model.first_slot_hidden(params, pending_BA, q_BA, state.cache)
+    followed_BA = jnp.minimum(q_BA + 1, ctx.seq_BS.shape[1] - 1)
+    return state, hindsight_scores(self.first_draft_logits(params, h_BAD, pending_BA),
+                                   followed_BA, ctx)
 
   def record_plain_step(self, params, state, hidden_BD, position_B, fed_B):
     # the step's one position of context, as commit writes a verified round's (a row that
