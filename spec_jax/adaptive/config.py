@@ -137,7 +137,8 @@ class AdaptiveRules:
     AdmitInputs.gamma_B is the schedule's length, which moves only with schedule=True.
   lookahead: the width scheduler's scan values lengths past each position with past rounds'
     estimates (schedule_length); False: it compares neighbours only, DSpark's scan.
-  hindsight: in greedy runs of a drafter that reports its greedy guesses at each catch-up
+  hindsight: in greedy runs (sampled ones: below) of a drafter that reports its greedy
+    guesses at each catch-up
     (Drafter.has_hindsight: a draft model, a layer skip, a quantized target, an EAGLE or
     Medusa chain, a DFlash or DSpark block (one block per position looked at), lookup + one
     of those: each source its own record), plain stretches learn the estimates from them
