@@ -154,13 +154,13 @@ class AdaptiveStats:
     first draft's estimate learns each row's agreement rate (a round started anywhere), the
     later ones' the rate of agreeing right after an agreement (a draft a round reaches
     follows accepted ones): each moves as the moving average would after that many
-    observations of their mean. Misses come in runs, so the
-    second rate is the higher one (on the built-in pair, taking the rate alone for every
-    position left drafting plain on a prompt where probes found gamma 4's gains); assigning
-    each agreement the depth a gamma_max-draft round would have met it at measured first
-    drafts only just after misses (an estimate of 0.4 for a draft model that agreed 81% of
-    the time). later=False: the first draft's estimate alone (the drafter's hindsight does not
-    speak for its later drafts: Drafter.hindsight_speaks_for_later_drafts)."""
+    observations of their mean. Misses come in runs, so the second rate is the higher one
+    (on the built-in pair, taking the rate alone for every position left drafting plain on
+    a prompt where probes found gamma 4's gains); assigning each agreement the depth a
+    gamma_max-draft round would have met it at measured first drafts only just after misses
+    (an estimate of 0.4 for a draft model that agreed 81% of the time). later=False: the
+    first draft's estimate alone (the drafter's hindsight does not speak for its later
+    drafts: Drafter.hindsight_speaks_for_later_drafts)."""
     # (sampled, agree_BA holds each position's acceptance estimate in [0, 1]: the same sums,
     # weighted, with an agreement's weight its estimate: drafters.SampledHindsight)
     agree_BA = jnp.where(valid_BA, agree_BA.astype(jnp.float32), 0.0)

@@ -539,10 +539,10 @@ class AdaptiveRound:
     watch: each catch-up also says how the drafter's drafts would have fared over the steps
     it covers (catch_up_with_hindsight: greedy agreement, or a sampled run's scores); the
     estimates learn from that, as from verified drafts, and the stretch ends after the
-    first catch-up whose plan drafts. It
-    runs as long as a probing stretch would (steps_to_probe), and one that found nothing
-    stands for a probe that was not promising: no probe verifies drafts only to reject
-    them, and a useless draft's catch-ups stop where its probes would.
+    first catch-up whose plan drafts. It runs as long as a probing stretch would
+    (steps_to_probe), and one that found nothing stands for a probe that was not
+    promising: no probe verifies drafts only to reject them, and a useless draft's
+    catch-ups stop where its probes would.
     -> plain_steps' tuple."""
     window = CATCH_UP_WIDTHS[-1]
     last = self.capped(n)  # this round's steps (n: the wait, which a cap may split)

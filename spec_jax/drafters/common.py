@@ -193,17 +193,18 @@ def feed_tokens_before_pending(model, params, cache, ctx: DraftContext, width: i
 def hindsight_scores(logits_BAV: jax.Array, followed_BA: jax.Array,
                      ctx: DraftContext) -> jax.Array:
   """How the first draft of a round started before each position in followed_BA ([B, A],
-  of ctx.seq_BS) would have fared, the draft's logits there [B, A, V] (teacher-forced):
-  greedy, [B, A] bool, whether its greedy token is the one that followed; sampled
-  (ctx.sampled_hindsight), [B, A] float32, min(1, q(y) / p(y)) for the token y that followed,
-  an unbiased estimate of the acceptance probability sum_x min(p, q) (SampledHindsight)."""
-  token_BA = jnp.take_along_axis(ctx.seq_BS, followed_BA, axis=1)
+  of ctx.seq_BS, clipped into range as gather_positions does) would have fared, the draft's
+  logits there [B, A, V] (teacher-forced): greedy, [B, A] bool, whether its greedy token is
+  the one that followed; sampled (ctx.sampled_hindsight), [B, A] float32, min(1, q(y) / p(y))
+  for the token y that followed, an unbiased estimate of the acceptance probability
+  sum_x min(p, q) (SampledHindsight)."""
+  token_BA = gather_positions(ctx.seq_BS, followed_BA)
   hindsight = ctx.sampled_hindsight
   if hindsight is None:
     return greedy(logits_BAV) == token_BA
   logq_BA = jnp.take_along_axis(warp_logits(logits_BAV, hindsight.sampling),
                                 token_BA[..., None], axis=-1)[..., 0]
-  p_BA = jnp.take_along_axis(hindsight.followed_prob_BS, followed_BA, axis=1)
+  p_BA = gather_positions(hindsight.followed_prob_BS, followed_BA)
   # (p(y) > 0 for a drawn y; the floor only keeps an unread slot's 0 from dividing; a draft
   # with non-finite logits scores 0, a miss, as greedy agreement counts it)
   score_BA = jnp.minimum(jnp.exp(logq_BA) / jnp.maximum(p_BA, 1e-30), 1.0)

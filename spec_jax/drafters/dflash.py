@@ -382,11 +382,16 @@ class DFlashDrafter(Drafter):
     del pending_BA
     return params.shared.logits(h_BAD)
 
-  def first_drafts(self, params, pending_BA, positions_BA, cache: KVCache):
-    """[B, A] int32: the greedy first draft of a round whose pending token pending_BA[:, a]
-    sat at positions_BA[:, a], over the context cached below it."""
+  def first_logits_at(self, params, pending_BA, positions_BA, cache: KVCache):
+    """[B, A, V]: the logits the first draft of a round whose pending token pending_BA[:, a]
+    sat at positions_BA[:, a] is drawn from, over the context cached below it."""
     h_BAD = self.model.first_slot_hidden(params, pending_BA, positions_BA, cache)
-    return greedy(self.first_draft_logits(params, h_BAD, pending_BA)).astype(jnp.int32)
+    return self.first_draft_logits(params, h_BAD, pending_BA)
+
+  def first_drafts(self, params, pending_BA, positions_BA, cache: KVCache):
+    """[B, A] int32: the greedy first draft of such a round (first_logits_at)."""
+    return greedy(self.first_logits_at(params, pending_BA, positions_BA, cache)).astype(
+        jnp.int32)
 
   def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
     # the prefill writes every prompt position's context: a round at q reads slots < q. None
@@ -446,10 +451,8 @@ class DFlashDrafter(Drafter):
     seen = min(rounds + 1, HINDSIGHT_WIDTH)
     q_BA = jnp.maximum(window_positions(ctx.position_B, seen), 0)
     pending_BA = gather_positions(ctx.seq_BS, q_BA)
-    h_BAD = self.model.first_slot_hidden(params, pending_BA, q_BA, state.cache)
-    followed_BA = jnp.minimum(q_BA + 1, ctx.seq_BS.shape[1] - 1)
-    return state, hindsight_scores(self.first_draft_logits(params, h_BAD, pending_BA),
-                                   followed_BA, ctx)
+    logits_BAV = self.first_logits_at(params, pending_BA, q_BA, state.cache)
+    return state, hindsight_scores(logits_BAV, q_BA + 1, ctx)
 
   def record_plain_step(self, params, state, hidden_BD, position_B, fed_B):
     # the step's one position of context, as commit writes a verified round's (a row that

@@ -129,10 +129,10 @@ def eagle_catch_up_with_hindsight(model, params, state: EagleState, ctx: DraftCo
                       state.cache, last_logits_only=True)[2]
   _, feats_BUD, cache = model.apply(params, features_BWD[:, split:], next_BW[:, split:],
                                     pos_BW[:, split:], cache, last_logits_only=True)
-  followed_BA = jnp.clip(pos_BW[:, split:-1] + 2, 0, ctx.seq_BS.shape[1] - 1)
   state = EagleState(cache.with_length(ctx.position_B), state.features_BSD)
   # (greedy: agreement; sampled: min(1, q(y) / p(y)), q its first draft's distribution)
-  return state, hindsight_scores(params.shared.logits(feats_BUD[:, :seen]), followed_BA, ctx)
+  return state, hindsight_scores(params.shared.logits(feats_BUD[:, :seen]),
+                                 pos_BW[:, split:-1] + 2, ctx)
 
 
 @dataclasses.dataclass(frozen=True)
