@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import perturbed
 from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
@@ -134,14 +135,19 @@ def test_a_sampled_stretch_learns_the_acceptance_of_its_positions():
   assert 0.2 < exact.mean() < 0.9  # (a draft neither useless nor the target)
 
 
-def test_sampled_distribution_with_hindsight_steering_the_rounds(small_pair):
+@pytest.fixture(scope="module")
+def joint_t1(small_pair):
+  target, tp = small_pair[:2]
+  return exact_joint(target, tp, PROMPT, DEPTH, SamplingConfig(1.0))
+
+
+def test_sampled_distribution_with_hindsight_steering_the_rounds(small_pair, joint_t1):
   """The distribution test with sampled hindsight deciding when rounds draft: one row with a
   longer budget sets the batch's finish, a check after its first plain step lifts the
   estimates from a low prior, and the rounds that follow draft for every row. Decided from
   past tokens only, so the first tokens still follow the target."""
   target, tp = small_pair[:2]
   sampling = SamplingConfig(1.0)
-  joint = exact_joint(target, tp, PROMPT, DEPTH, sampling)
   cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.2, 1.4, 1.8), draft_cost=0.1,
                        rules=AdaptiveRules(prior=0.3, learning_rate=0.5, probe_every=1,
                                            initial_gamma=4))
@@ -157,4 +163,31 @@ def test_sampled_distribution_with_hindsight_steering_the_rounds(small_pair):
   assert int(np.sum(out.metrics.accepted_B)) > SAMPLES // 2, m
   verified_first = int(np.sum(stats.admitted_hist_G1[1:]))
   assert int(np.sum(stats.first_seen_B)) - verified_first == SAMPLES, m["adaptive"]
-  assert pvalue_vs_exact(out.tokens, joint) > SIGNIFICANCE
+  assert pvalue_vs_exact(out.tokens, joint_t1) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash", "dspark"])
+def test_sampled_distribution_with_each_familys_hindsight(small_pair, joint_t1, kind):
+  """The distribution test for the other families that score sampled stretches (random
+  heads on the test target): a check after the first plain step scores every row in
+  hindsight before the rounds that follow are planned, and the first tokens still follow
+  the target."""
+  from test_block_drafters import _random_drafter
+  from test_trained_drafters import _random_head
+  target, tp = small_pair[:2]
+  spec, own = (_random_head(kind, target) if kind == "eagle"
+               else _random_drafter(kind, target, seed=4))
+  drafter = spec.drafter
+  assert drafter.has_sampled_hindsight
+  cfg = AdaptiveConfig(2, widths=(1, 2, 3), target_costs=(1.0, 1.2, 1.4), draft_cost=0.1,
+                       # (a prior no round pays at: the first round is a plain stretch)
+                       rules=AdaptiveRules(prior=0.1, learning_rate=0.5, probe_every=1,
+                                           initial_gamma=2))
+  out = speculate(target, tp, drafter, spec.draft_params(own, target, tp),
+                  *pad_prompts([PROMPT] * SAMPLES), gamma=cfg, max_new_tokens=DEPTH + 9,
+                  budgets_B=[DEPTH + 9] + [DEPTH + 3] * (SAMPLES - 1),
+                  sampling=SamplingConfig(1.0), key=jax.random.key(1))
+  stats = out.metrics.adaptive
+  verified_first = int(np.sum(stats.admitted_hist_G1[1:]))
+  assert int(np.sum(stats.first_seen_B)) - verified_first >= SAMPLES, summarize(out.metrics)
+  assert pvalue_vs_exact(out.tokens, joint_t1) > SIGNIFICANCE
