@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_llama
-from spec_jax.core.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig, warped_probs
 from spec_jax.drafters import make_drafter
 from spec_jax.drafters.base import target_with_features
 from spec_jax.drafters.dflash import (DFlashConfig, block_targets, default_feature_layers,
@@ -259,6 +259,15 @@ def test_hindsight_and_prompt_guesses_are_the_greedy_first_drafts(tiny_target, k
     q_B = positions_BA[:, a]  # (none at q = 0: no round starts there)
     np.testing.assert_array_equal(guess_BA[:, a], np.where(q_B > 0, first(q_B), -1))
   assert (guess_BA[:, 0] == -1).all() and (guess_BA[:, 1:] >= 0).any()
+  # and a sampled run's look: the distributions propose draws those first drafts from
+  _, logits_BAV, has_BA = jax.jit(drafter.init_with_first_logits)(
+      draft_params, PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8, prompt_hidden),
+      jnp.asarray(positions_BA))
+  np.testing.assert_array_equal(has_BA, positions_BA > 0)
+  for a in range(1, positions_BA.shape[1]):
+    q_B = positions_BA[:, a]
+    np.testing.assert_allclose(warped_probs(logits_BAV[:, a], sampling)[q_B > 0],
+                               np.asarray(q_first(q_B))[q_B > 0], rtol=1e-4, atol=1e-6)
 
 
 _JOINTS: dict = {}  # exact_joint runs eagerly (slow): once per sampling setting

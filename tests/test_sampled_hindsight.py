@@ -3,7 +3,9 @@ step records the target's probability p(y) of the token y it drew, and a catch-u
 draft model's q at the same positions as min(1, q(y) / p(y)), an unbiased estimate of the
 acceptance probability sum_x min(p, q). Checked: the score itself, its mean against the exact
 acceptance (with two wrong estimators as controls), what a run learns against the exact
-acceptance of its own positions, and the distribution with hindsight steering the rounds."""
+acceptance of its own positions, and the distribution with hindsight steering the rounds.
+Before the first round a sampled run looks at the prompt, whose tokens are not samples of
+the target but whose distributions are known: there it learns the exact sum_x min(p, q)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from conftest import perturbed
 from spec_jax.adaptive import AdaptiveConfig, AdaptiveRules
 from spec_jax.core.sampling import SamplingConfig, warped_probs
-from spec_jax.drafters.base import DraftContext, SampledHindsight
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, SampledHindsight
 from spec_jax.drafters.common import hindsight_scores
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.engine import prepare_program, speculate
@@ -102,7 +104,7 @@ def test_a_sampled_stretch_learns_the_acceptance_of_its_positions():
                        draft_cost=0.0,
                        rules=AdaptiveRules(prior=0.0, probe_every=1, probe_growth=1, give_up=0.0,
                                            min_gain=0.0, probe_share=0.0,
-                                           loss_budget=math.inf))
+                                           loss_budget=math.inf, prompt_look=False))
   program, _ = prepare_program(target, DraftModelDrafter(target), *prompts, gamma=cfg,
                                max_new_tokens=new, sampling=sampling, key=jax.random.key(3))
   assert program.records_followed_probs  # (sampled, and the drafter scores its catch-ups)
@@ -150,7 +152,7 @@ def test_sampled_distribution_with_hindsight_steering_the_rounds(small_pair, joi
   sampling = SamplingConfig(1.0)
   cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.2, 1.4, 1.8), draft_cost=0.1,
                        rules=AdaptiveRules(prior=0.3, learning_rate=0.5, probe_every=1,
-                                           initial_gamma=4))
+                                           initial_gamma=4, prompt_look=False))
   out = speculate(target, tp, DraftModelDrafter(target), perturbed(tp, 0.7, seed=3),
                   *pad_prompts([PROMPT] * SAMPLES), gamma=cfg, max_new_tokens=DEPTH + 9,
                   budgets_B=[DEPTH + 9] + [DEPTH + 3] * (SAMPLES - 1), sampling=sampling,
@@ -166,7 +168,7 @@ def test_sampled_distribution_with_hindsight_steering_the_rounds(small_pair, joi
   assert pvalue_vs_exact(out.tokens, joint_t1) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("kind", ["eagle", "dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "dflash", "dspark"])
 def test_sampled_distribution_with_each_familys_hindsight(small_pair, joint_t1, kind):
   """The distribution test for the other families that score sampled stretches (random
   heads on the test target): a check after the first plain step scores every row in
@@ -175,14 +177,14 @@ def test_sampled_distribution_with_each_familys_hindsight(small_pair, joint_t1, 
   from test_block_drafters import _random_drafter
   from test_trained_drafters import _random_head
   target, tp = small_pair[:2]
-  spec, own = (_random_head(kind, target) if kind == "eagle"
+  spec, own = (_random_head(kind, target) if kind in ("medusa", "eagle")
                else _random_drafter(kind, target, seed=4))
   drafter = spec.drafter
   assert drafter.has_sampled_hindsight
   cfg = AdaptiveConfig(2, widths=(1, 2, 3), target_costs=(1.0, 1.2, 1.4), draft_cost=0.1,
                        # (a prior no round pays at: the first round is a plain stretch)
                        rules=AdaptiveRules(prior=0.1, learning_rate=0.5, probe_every=1,
-                                           initial_gamma=2))
+                                           initial_gamma=2, prompt_look=False))
   out = speculate(target, tp, drafter, spec.draft_params(own, target, tp),
                   *pad_prompts([PROMPT] * SAMPLES), gamma=cfg, max_new_tokens=DEPTH + 9,
                   budgets_B=[DEPTH + 9] + [DEPTH + 3] * (SAMPLES - 1),
@@ -191,3 +193,66 @@ def test_sampled_distribution_with_each_familys_hindsight(small_pair, joint_t1, 
   verified_first = int(np.sum(stats.admitted_hist_G1[1:]))
   assert int(np.sum(stats.first_seen_B)) - verified_first >= SAMPLES, summarize(out.metrics)
   assert pvalue_vs_exact(out.tokens, joint_t1) > SIGNIFICANCE
+
+
+def test_a_sampled_look_at_the_prompt_learns_the_exact_acceptance(stories, story_prompts):
+  """Before its first round, a sampled watching program learns, after each of the prompt's
+  last min(8, length) positions, the exact probability sum_x min(p, q) that the draft
+  model's first draft there would be accepted (both models teacher-forced on the prompt,
+  both distributions at the run's temperature), as from a catch-up in hindsight: not the
+  greedy agreement a greedy run learns."""
+  from test_adaptive import _prompt_look
+  model, params = stories
+  draft_params = perturbed(params, 0.25, seed=1)
+  temperature = 0.8
+  prompts = pad_prompts(story_prompts, width=12)
+  cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.2, 1.4, 1.8), draft_cost=0.1,
+                       rules=AdaptiveRules(give_up=0.0))
+  program, args = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=cfg,
+                                  max_new_tokens=16, sampling=SamplingConfig(temperature),
+                                  key=jax.random.key(0))
+  stats = _prompt_look(program, params, draft_params, args)
+  tokens_BP, lengths_B = map(np.asarray, prompts)
+  positions = np.broadcast_to(np.arange(tokens_BP.shape[1], dtype=np.int32), tokens_BP.shape)
+  probs = {}
+  for name, p in (("target", params), ("draft", draft_params)):
+    logits = np.asarray(model.apply(p, tokens_BP, positions, model.init_cache(*tokens_BP.shape))[0],
+                        np.float64) / temperature
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    probs[name] = e / e.sum(-1, keepdims=True)
+  exact_all = []
+  lr, prior = cfg.rules.learning_rate, cfg.rules.prior
+  for row, length in enumerate(lengths_B):
+    window = np.arange(max(0, length - HINDSIGHT_WIDTH), length)
+    exact = np.minimum(probs["target"][row, window], probs["draft"][row, window]).sum(-1)
+    assert int(stats.first_seen_B[row]) == len(window)
+    np.testing.assert_allclose(float(stats.first_accepted_B[row]), exact.sum(), rtol=1e-4)
+    expected = prior + (1 - (1 - lr) ** len(window)) * (exact.mean() - prior)
+    np.testing.assert_allclose(stats.estimate_BG[row, 0], expected, rtol=1e-4)
+    exact_all.extend(exact)
+  # neither certain nor hopeless, and fractional where greedy agreement would be 0 or 1
+  exact_all = np.asarray(exact_all)
+  assert 0.2 < exact_all.mean() < 0.95 and np.sum((0.1 < exact_all) & (exact_all < 0.9)) >= 3
+
+
+def test_sampled_distribution_with_the_prompt_look_steering_the_rounds(small_pair, joint_t1):
+  """The distribution test where the look at the prompt steers the rounds: from a prior below
+  break-even, the exact acceptance at the prompt's positions makes the rounds draft from the
+  first (one row with a longer budget sets the batch's finish, as above); with the look off,
+  the same program's rows verify almost no drafts. Decided from the prompt and both models
+  alone, so the first tokens still follow the target."""
+  target, tp = small_pair[:2]
+  runs = {}
+  for look in (True, False):
+    cfg = AdaptiveConfig(2, widths=(1, 2, 3), target_costs=(1.0, 1.2, 1.4), draft_cost=0.1,
+                         rules=AdaptiveRules(prior=0.1, learning_rate=0.5, probe_every=4,
+                                             initial_gamma=2, min_gain=0.0, prompt_look=look))
+    runs[look] = speculate(target, tp, DraftModelDrafter(target), perturbed(tp, 0.7, seed=3),
+                           *pad_prompts([PROMPT] * SAMPLES), gamma=cfg, max_new_tokens=DEPTH + 9,
+                           budgets_B=[DEPTH + 9] + [DEPTH + 3] * (SAMPLES - 1),
+                           sampling=SamplingConfig(1.0), key=jax.random.key(1))
+  verified = {look: int(np.sum(out.metrics.adaptive.admitted_hist_G1[1:]))
+              for look, out in runs.items()}
+  assert verified[True] >= SAMPLES > 10 * verified[False], verified
+  assert int(np.sum(runs[True].metrics.accepted_B)) > SAMPLES // 2
+  assert pvalue_vs_exact(runs[True].tokens, joint_t1) > SIGNIFICANCE

@@ -26,7 +26,7 @@ from spec_jax.drafters.medusa import MedusaTreeDrafter
 from spec_jax.drafters.mtp import MTPTreeDrafter
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
-from spec_jax.core.sampling import SamplingConfig
+from spec_jax.core.sampling import SamplingConfig, warped_probs
 from spec_jax.speculative import speculative_generate
 from spec_jax.training import restore_best, restore_latest
 from spec_jax.tree_speculative import tree_speculative_generate
@@ -584,7 +584,8 @@ def test_eagle_hindsight_is_its_greedy_first_draft(stories, story_reference, tra
 def _prompt_guesses(stories, story_reference, trained, kind):
   """A trained drafter's init_with_guesses at every position 0 .. min length - 1 of the
   story prompts -> (drafter, draft params, prompts (tokens, lengths), the target's hidden
-  states [B, P, D] and greedy tokens [B, P] there, positions [B, A], guesses [B, A])."""
+  states [B, P, D] and greedy tokens [B, P] there, positions [B, A], guesses [B, A], and
+  the first drafts' distributions at temperature 1 [B, A, V], from init_with_first_logits)."""
   model, params = stories
   prompts, _ = story_reference
   spec, _, own = trained(kind)
@@ -599,8 +600,11 @@ def _prompt_guesses(stories, story_reference, trained, kind):
   _, guess_BA = jax.jit(drafter.init_with_guesses)(draft_params, prompt, positions_BA)
   guess_BA = np.asarray(guess_BA)
   assert (guess_BA[:, 0] == -1).all()  # no guess where nothing precedes the pending token
+  # (a sampled run's look reads the same first drafts' distributions)
+  _, first_BAV, _ = jax.jit(drafter.init_with_first_logits)(draft_params, prompt, positions_BA)
   return (drafter, draft_params, (tokens_BP, lengths_B), hidden,
-          np.argmax(np.asarray(logits), -1), positions_BA, guess_BA)
+          np.argmax(np.asarray(logits), -1), positions_BA, guess_BA,
+          np.asarray(warped_probs(first_BAV, SamplingConfig(1.0))))
 
 
 def test_eagle_guesses_at_init_are_its_greedy_first_drafts(stories, story_reference, trained):
@@ -608,18 +612,22 @@ def test_eagle_guesses_at_init_are_its_greedy_first_drafts(stories, story_refere
   first draft propose makes greedily with the pending token at q (from the element
   (f_{q-1}, x_q), which the prefill ran with true features), and -1 at q = 0, where no
   element precedes the pending token."""
-  drafter, draft_params, (_, lengths_B), _, _, positions_BA, guess_BA = _prompt_guesses(
+  drafter, draft_params, (_, lengths_B), _, _, positions_BA, guess_BA, q_BAV = _prompt_guesses(
       stories, story_reference, trained, "eagle")
   # propose from a state that knows the whole sequence's true features (every entry exact)
   seq_BS = jnp.asarray(story_reference[1].sequences)
   state = drafter.init(draft_params, PromptInfo(seq_BS, lengths_B, seq_BS.shape[1],
                                                 _fresh_features(stories, seq_BS)[0]))
   rows = np.arange(len(lengths_B))
-  propose = jax.jit(lambda pos_B: drafter.propose(
+  propose = jax.jit(lambda pos_B, sampling: drafter.propose(
       draft_params, state, DraftContext(seq_BS, pos_B, seq_BS[rows, pos_B]), 1,
-      SamplingConfig(0.0), jax.random.key(0))[0][:, 0])
+      sampling, jax.random.key(0))[:2], static_argnums=1)
   for a in range(1, positions_BA.shape[1]):
-    np.testing.assert_array_equal(guess_BA[:, a], propose(jnp.asarray(positions_BA[:, a])))
+    pos_B = jnp.asarray(positions_BA[:, a])
+    np.testing.assert_array_equal(guess_BA[:, a], propose(pos_B, SamplingConfig(0.0))[0][:, 0])
+    # sampled: the distribution propose draws that first draft from
+    np.testing.assert_allclose(q_BAV[:, a], propose(pos_B, SamplingConfig(1.0))[1][:, 0],
+                               rtol=1e-4, atol=1e-6)
   target_BA = np.asarray(seq_BS)[rows[:, None], positions_BA + 1]
   agree = guess_BA[:, 1:] == target_BA[:, 1:]
   assert 0 < agree.mean() < 1  # both outcomes occur: the comparison can fail
@@ -632,15 +640,18 @@ def test_medusa_guesses_at_init_are_its_greedy_first_drafts(stories, story_refer
   greedy run: head 1 never sees x_q); -1 elsewhere and at q = 0."""
   from spec_jax.drafters.medusa import MedusaState
   (drafter, draft_params, (tokens_BP, lengths_B), hidden, target_greedy_BP, positions_BA,
-   guess_BA) = _prompt_guesses(stories, story_reference, trained, "medusa")
+   guess_BA, q_BAV) = _prompt_guesses(stories, story_reference, trained, "medusa")
   rows = np.arange(len(lengths_B))
-  propose = jax.jit(lambda h_BD, pos_B: drafter.propose(
+  propose = jax.jit(lambda h_BD, pos_B, sampling: drafter.propose(
       draft_params, MedusaState(h_BD), DraftContext(tokens_BP, pos_B, tokens_BP[rows, pos_B]),
-      1, SamplingConfig(0.0), jax.random.key(0))[0][:, 0])
+      1, sampling, jax.random.key(0))[:2], static_argnums=2)
   width = positions_BA.shape[1]
   followed = 0
   for a in range(1, width):
-    first_B = np.asarray(propose(hidden[:, a - 1], jnp.asarray(positions_BA[:, a])))
+    first_B = np.asarray(propose(hidden[:, a - 1], jnp.asarray(positions_BA[:, a]),
+                                 SamplingConfig(0.0))[0][:, 0])
+    np.testing.assert_allclose(q_BAV[:, a], propose(hidden[:, a - 1], jnp.asarray(
+        positions_BA[:, a]), SamplingConfig(1.0))[1][:, 0], rtol=1e-4, atol=1e-6)
     greedy_B = target_greedy_BP[:, a - 1] == np.asarray(tokens_BP)[:, a]
     np.testing.assert_array_equal(guess_BA[:, a], np.where(greedy_B, first_B, -1))
     followed += greedy_B.sum()
@@ -676,8 +687,9 @@ def test_medusa_hindsight_is_its_greedy_first_draft(stories, story_reference, tr
   """Medusa's catch-up after a plain stretch says, for a round started at each pending
   position of the stretch, whether its greedy first draft there (head 1 of the hidden state
   before that pending token, kept in its register of recent states) would have been the token
-  that followed: what propose drafts at that position. Later heads are not head 1 one
-  position on, so its hindsight speaks for the first draft alone."""
+  that followed: what propose drafts at that position; sampled, min(1, q(y) / p(y)) with q
+  head 1's distribution there. Later heads are not head 1 one position on, so its hindsight
+  speaks for the first draft alone."""
   model, params = stories
   prompts, reference = story_reference
   spec, _, own = trained("medusa")
@@ -707,6 +719,23 @@ def test_medusa_hindsight_is_its_greedy_first_draft(stories, story_reference, tr
     np.testing.assert_array_equal(agree_BW[:, w],
                                   first_B == np.asarray(seq_BS)[rows, pending_B + 1])
   assert 0 < np.mean(agree_BW) < 1  # both outcomes occur: the comparison can fail
+  # sampled (drafters.SampledHindsight): min(1, q(y) / p(y)) with q head 1's distribution,
+  # what propose draws its first draft from at that position, and p(y) as recorded
+  assert drafter.has_sampled_hindsight
+  sampling = SamplingConfig(1.0)
+  prob_BS = jax.random.uniform(jax.random.key(1), seq_BS.shape, minval=0.05, maxval=1.0)
+  sampled_ctx = ctx(at_B).replace(sampled_hindsight=SampledHindsight(prob_BS, sampling))
+  _, score_BW = jax.jit(drafter.catch_up_with_hindsight, static_argnums=(3, 4))(
+      draft_params, state_at(at_B), sampled_ctx, rounds, 4)
+  q_first = jax.jit(lambda pos_B: drafter.propose(draft_params, state_at(pos_B), ctx(pos_B), 1,
+                                                  sampling, jax.random.key(0))[1][:, 0])
+  for w in range(seen):
+    pending_B = at_B - seen + w
+    y_B = np.asarray(seq_BS)[rows, pending_B + 1]
+    q_B = np.asarray(q_first(pending_B))[rows, y_B]
+    np.testing.assert_allclose(score_BW[:, w], np.minimum(1.0, q_B / np.asarray(prob_BS)[
+        rows, pending_B + 1]), rtol=1e-4, atol=1e-7)
+  assert 0 < float(np.mean(score_BW)) < 1 and float(np.min(score_BW)) < 0.5
 
 
 def test_medusa_commit_shifts_in_the_positions_a_round_kept(trained):

@@ -156,11 +156,12 @@ class AdaptiveRules:
     built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x
     against 0.93x / 0.90x. Sampled runs watch too where the drafter scores them
-    (Drafter.has_sampled_hindsight: a draft model, a layer skip, a quantized target, an
-    EAGLE chain, lookup + one of those) and no penalty or min_new_tokens processes the
-    logits: each position's score is min(1, q(y) / p(y)) for the token y its plain step drew
-    (drafters.SampledHindsight), and there is no look at the prompt (not a sample of the
-    target). False: probes, as for every other drafter and sampled run.
+    (Drafter.has_sampled_hindsight: a draft model, a layer skip, a quantized target, a
+    Medusa or EAGLE chain, DFlash, DSpark, lookup + one of those) and no penalty or
+    min_new_tokens processes the logits: each position's score is min(1, q(y) / p(y)) for
+    the token y its plain step drew (drafters.SampledHindsight), and there is no look at the
+    prompt (not a sample of the target). False: probes, as for every other drafter and
+    sampled run.
   give_up: after a probe that was not promising, or a stretch that watched in hindsight to
     its end without finding drafting worth it, the wait before the next one jumps to its
     longest (64 x probe_every: in a short generation the rest of it runs as generate's loop,

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from spec_jax.adaptive.config import AdaptiveConfig, memoised_when_hashable
 from spec_jax.adaptive.rounds import AdaptiveRound, AdaptiveTreeRound
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
-from spec_jax.core.sampling import greedy
 from spec_jax.drafters.base import HINDSIGHT_WIDTH
+from spec_jax.drafters.common import first_draft_scores
 from spec_jax.generate import at_positions
 from spec_jax.metrics import AdaptiveStats
 
@@ -129,15 +129,18 @@ def _adaptive_program_class():
 
     def prompt_look(self, draft_params, prompt, target_logits_BPV):
       """(start, valid_BA), or None where this program does not look at the prompt: start()
-      -> (the drafter's state, agree_BA [B, A]: whether its greedy first draft after each of
-      the last A = min(HINDSIGHT_WIDTH, P) prompt positions is the target's greedy token
-      there, guessed_BA: where it has a guess); valid_BA: the positions a row's prompt
-      has. Only for greedy programs that watch in hindsight (no logit processing: the
-      target's raw greedy token is the one it emits; a prompt is not a sample of the
-      target, so a sampled run's stretches alone learn in hindsight) and drafters whose
-      prefill gives guesses (Drafter.init_with_guesses)."""
-      if (not self.adaptive.rules.prompt_look or not self.sampling.is_greedy
-          or self.sampling.processes_logits or not self.drafter.guesses_at_init
+      -> (the drafter's state, score_BA [B, A]: how the first draft of a round whose pending
+      token sat at each of the last A = min(HINDSIGHT_WIDTH, P) prompt positions would have
+      fared, drafters.common.first_draft_scores: greedy, whether its greedy draft is the
+      target's greedy token there; sampled, the exact probability sum_x min(p, q) that it
+      is accepted there, both distributions known at the prompt, whose own tokens are not
+      samples of the target; has_BA: where the drafter has such a draft); valid_BA: the
+      positions a row's prompt has. Only for programs that watch in hindsight (a sampled one
+      only where the drafter scores sampled stretches too) with no logit processing (a
+      past position's warped distribution would need its history), and drafters whose
+      prefill gives their first drafts' logits (Drafter.init_with_first_logits)."""
+      if (not self.adaptive.rules.prompt_look or self.sampling.processes_logits
+          or not self.drafter.guesses_at_init
           or not self.round_fn.watches(self.drafter, self.sampling, self.verifier)):
         return None
       width = prompt.tokens_BP.shape[1]
@@ -145,14 +148,15 @@ def _adaptive_program_class():
       positions_BA = prompt.lengths_B[:, None] - seen + jnp.arange(seen, dtype=jnp.int32)
       valid_BA = positions_BA >= 0
       positions_BA = jnp.maximum(positions_BA, 0)
-      target_guess_BA = greedy(at_positions(target_logits_BPV, positions_BA))
+      target_BAV = at_positions(target_logits_BPV, positions_BA)
 
       def start():
-        state, guess_BA = self.drafter.init_with_guesses(draft_params, prompt, positions_BA)
-        if guess_BA is None:
+        state, logits_BAV, has_BA = self.drafter.init_with_first_logits(draft_params, prompt,
+                                                                        positions_BA)
+        if logits_BAV is None:
           raise TypeError(f"{type(self.drafter).__name__}.guesses_at_init is True but its "
-                          "init_with_guesses returned no guesses")
-        return state, guess_BA == target_guess_BA, guess_BA >= 0
+                          "init_with_first_logits returned no logits")
+        return state, first_draft_scores(target_BAV, logits_BAV, self.sampling), has_BA
       return start, valid_BA
 
   return AdaptiveProgram

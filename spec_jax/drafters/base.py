@@ -31,10 +31,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from spec_jax.core.pytree_names import check_params_fit
-from spec_jax.core.sampling import SamplingConfig, TokenHistory
+from spec_jax.core.sampling import SamplingConfig, TokenHistory, greedy
 
 
 @struct.dataclass
@@ -225,22 +226,32 @@ class Drafter:
     its catch-up has the draft's logits at the positions it reports."""
     return False
 
+  def init_with_first_logits(self, params, prompt: PromptInfo, positions_BA: jax.Array
+                             ) -> tuple[Any, jax.Array | None, jax.Array | None]:
+    """init, logits_BAV [B, A, V]: the logits the first draft of a round whose pending token
+    sat at prompt position positions_BA[b, a] would be drawn from (teacher-forced on the
+    prompt up to it; positions < lengths_B), and has_BA [B, A] bool: where it has such a
+    draft (not EAGLE at position 0, which no element precedes). The adaptive rounds compare
+    them with the target's logits there, a look in hindsight before the first round
+    (AdaptiveProgram.prompt_look; only what exists before any draft: lossless). A drafter
+    with hindsight (catch_up_with_hindsight) whose prefill yields them cheaply overrides
+    this and sets guesses_at_init; (None, None): not known."""
+    del positions_BA
+    return self.init(params, prompt), None, None
+
   def init_with_guesses(self, params, prompt: PromptInfo,
                         positions_BA: jax.Array) -> tuple[Any, jax.Array | None]:
-    """init, and guesses_BA [B, A] int32: the first draft this drafter would make greedily in
-    a round whose pending token sat at prompt position positions_BA[b, a] (teacher-forced on
-    the prompt up to it; positions < lengths_B), or -1 where it has none (EAGLE at position
-    0, which no element precedes). The adaptive rounds compare them with the target's greedy
-    tokens there, a look in hindsight before the first round (only what exists before any
-    draft: lossless). A drafter with hindsight (catch_up_with_hindsight) whose prefill yields
-    them cheaply overrides this and sets guesses_at_init; None: not known."""
-    del positions_BA
-    return self.init(params, prompt), None
+    """init, and guesses_BA [B, A] int32: the first draft this drafter would make greedily
+    in those rounds (init_with_first_logits), -1 where it has none; None: not known."""
+    state, logits_BAV, has_BA = self.init_with_first_logits(params, prompt, positions_BA)
+    if logits_BAV is None:
+      return state, None
+    return state, jnp.where(has_BA, greedy(logits_BAV).astype(jnp.int32), -1)
 
   @property
   def guesses_at_init(self) -> bool:
-    """Whether init_with_guesses gives guesses (static: the adaptive program decides whether
-    to look at the prompt without tracing the drafter's prefill a second time)."""
+    """Whether init_with_first_logits gives logits (static: the adaptive program decides
+    whether to look at the prompt without tracing the drafter's prefill a second time)."""
     return False
 
   @property

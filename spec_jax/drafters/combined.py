@@ -223,11 +223,12 @@ class FallbackDrafter(Drafter):
     return FallbackState(self.primary.init(params[0], prompt),
                          self.secondary.init(params[1], prompt))
 
-  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
-    # the secondary's guesses (its record: see catch_up_with_hindsight)
-    secondary, guess_BA = self.secondary.init_with_guesses(params[1], prompt, positions_BA)
+  def init_with_first_logits(self, params, prompt: PromptInfo, positions_BA):
+    # the secondary's first drafts (its record: see catch_up_with_hindsight)
+    secondary, logits_BAV, has_BA = self.secondary.init_with_first_logits(params[1], prompt,
+                                                                           positions_BA)
     state = FallbackState(self.primary.init(params[0], prompt), secondary)
-    return state, (guess_BA if self.guesses_at_init else None)
+    return (state, logits_BAV, has_BA) if self.guesses_at_init else (state, None, None)
 
   @property
   def guesses_at_init(self) -> bool:

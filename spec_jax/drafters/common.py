@@ -211,6 +211,21 @@ def hindsight_scores(logits_BAV: jax.Array, followed_BA: jax.Array,
   return jnp.where(jnp.isnan(score_BA), 0.0, score_BA)
 
 
+def first_draft_scores(target_logits_BAV: jax.Array, draft_logits_BAV: jax.Array,
+                       sampling: SamplingConfig) -> jax.Array:
+  """How a round's first draft would fare where both distributions are known (a look at
+  the prompt, whose next tokens are not samples of the target), [B, A]: greedy, bool,
+  whether the draft's greedy token is the target's; sampled, float32, the exact acceptance
+  probability sum_x min(p, q) of a draft from q (both warped as a round warps them; a
+  draft with non-finite logits scores 0, a miss)."""
+  if sampling.is_greedy:
+    return greedy(draft_logits_BAV) == greedy(target_logits_BAV)
+  p_BAV = jnp.exp(warp_logits(target_logits_BAV, sampling))
+  q_BAV = jnp.exp(warp_logits(draft_logits_BAV, sampling))
+  score_BA = jnp.sum(jnp.minimum(p_BAV, q_BAV), axis=-1)
+  return jnp.where(jnp.isnan(score_BA), 0.0, jnp.minimum(score_BA, 1.0))
+
+
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:
   """[B, width] positions L-width .. L-1 (negative ones are padding, never stored)."""
   return position_B[:, None] - width + jnp.arange(width, dtype=jnp.int32)[None, :]

@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx, struct
 
 from spec_jax.core.kv_cache import KVCache, write_rows
-from spec_jax.core.sampling import SamplingConfig, greedy
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.common import draw, gather_positions, hindsight_scores, window_positions
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, register
@@ -388,18 +388,13 @@ class DFlashDrafter(Drafter):
     h_BAD = self.model.first_slot_hidden(params, pending_BA, positions_BA, cache)
     return self.first_draft_logits(params, h_BAD, pending_BA)
 
-  def first_drafts(self, params, pending_BA, positions_BA, cache: KVCache):
-    """[B, A] int32: the greedy first draft of such a round (first_logits_at)."""
-    return greedy(self.first_logits_at(params, pending_BA, positions_BA, cache)).astype(
-        jnp.int32)
-
-  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
+  def init_with_first_logits(self, params, prompt: PromptInfo, positions_BA):
     # the prefill writes every prompt position's context: a round at q reads slots < q. None
     # at q = 0: no round starts there, and training never anchors a block with no context
     state = self.init(params, prompt)
     pending_BA = jnp.take_along_axis(prompt.tokens_BP, positions_BA, axis=1)
-    guess_BA = self.first_drafts(params, pending_BA, positions_BA, state.cache)
-    return state, jnp.where(positions_BA > 0, guess_BA, -1)
+    return (state, self.first_logits_at(params, pending_BA, positions_BA, state.cache),
+            positions_BA > 0)
 
   @property
   def guesses_at_init(self) -> bool:

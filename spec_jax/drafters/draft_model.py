@@ -23,7 +23,7 @@ from spec_jax.drafters.registry import (BuildOptions, DrafterFamily, DrafterSize
                                         TreeOptions, register)
 from spec_jax.losses import TargetOutputs, positions_of, token_loss
 from spec_jax.models.llama import LlamaConfig, LlamaModel
-from spec_jax.core.sampling import SamplingConfig, greedy
+from spec_jax.core.sampling import SamplingConfig
 
 
 @struct.dataclass
@@ -50,11 +50,12 @@ class DraftModelDrafter(Drafter):
                           prompt.cache_len)
     return DraftModelState(cache)
 
-  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
-    # the prefill's logits at those positions: its greedy next token after each
+  def init_with_first_logits(self, params, prompt: PromptInfo, positions_BA):
+    # the prefill's logits at those positions: its next token's distribution after each
     logits_BPV, _, cache = prefill_all(self.model, params, prompt.tokens_BP, prompt.lengths_B,
                                        prompt.cache_len)
-    return DraftModelState(cache), greedy(at_positions(logits_BPV, positions_BA))
+    return (DraftModelState(cache), at_positions(logits_BPV, positions_BA),
+            jnp.ones(positions_BA.shape, bool))
 
   @property
   def guesses_at_init(self) -> bool:

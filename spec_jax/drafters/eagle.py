@@ -46,7 +46,7 @@ from spec_jax.losses import (TargetOutputs, positions_of, shift_left, smooth_l1,
 from spec_jax.models.drafter_heads import EagleConfig, EagleModel
 from spec_jax.models.llama import LlamaConfig
 from spec_jax.core.kv_cache import KVCache, tree_mask
-from spec_jax.core.sampling import SamplingConfig, greedy
+from spec_jax.core.sampling import SamplingConfig
 from spec_jax.tree import (Expansion, TokenTree, TreeShape, grow_dynamic_tree,
                            grow_static_tree)
 
@@ -75,14 +75,15 @@ def eagle_init(model, params, prompt: PromptInfo) -> EagleState:
   return eagle_prefill(model, params, prompt)[0]
 
 
-def eagle_init_with_guesses(model, params, prompt: PromptInfo, positions_BA):
-  """eagle_init, and the greedy first draft of a round whose pending token sat at each prompt
-  position q = positions_BA[b, a] -> (state, guesses_BA; -1 at q = 0). Such a round drafts
-  from the element (f_{q-1}, x_q) at q - 1, which the prefill ran with true features: the
-  head on its predicted feature is that draft exactly (as in catch_up_with_hindsight)."""
+def eagle_init_with_first_logits(model, params, prompt: PromptInfo, positions_BA):
+  """eagle_init, and the logits of the first draft of a round whose pending token sat at
+  each prompt position q = positions_BA[b, a] -> (state, logits_BAV, has_BA: q >= 1). Such
+  a round drafts from the element (f_{q-1}, x_q) at q - 1, which the prefill ran with true
+  features: the head on its predicted feature is that draft's distribution exactly (as in
+  catch_up_with_hindsight)."""
   state, feats_BPD = eagle_prefill(model, params, prompt)
-  guess_BA = greedy(params.shared.logits(gather_positions(feats_BPD, positions_BA - 1)))
-  return state, jnp.where(positions_BA >= 1, guess_BA.astype(jnp.int32), -1)
+  return (state, params.shared.logits(gather_positions(feats_BPD, positions_BA - 1)),
+          positions_BA >= 1)
 
 
 def window_elements(state: EagleState, ctx: DraftContext, width: int):
@@ -146,8 +147,8 @@ class EagleDrafter(Drafter):
   def init(self, params, prompt: PromptInfo) -> EagleState:
     return eagle_init(self.model, params, prompt)
 
-  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
-    return eagle_init_with_guesses(self.model, params, prompt, positions_BA)
+  def init_with_first_logits(self, params, prompt: PromptInfo, positions_BA):
+    return eagle_init_with_first_logits(self.model, params, prompt, positions_BA)
 
   @property
   def guesses_at_init(self) -> bool:

@@ -31,8 +31,8 @@ from flax import struct
 from spec_jax.drafters.base import (HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo,
                                     RoundOutcome, TreeDrafter)
 from spec_jax.core.sampling import SamplingConfig, greedy
-from spec_jax.drafters.common import (draw, gather_positions, hidden_before_pending, last_hidden,
-                                     tree_log_probs)
+from spec_jax.drafters.common import (draw, gather_positions, hidden_before_pending,
+                                     hindsight_scores, last_hidden, tree_log_probs)
 from spec_jax.drafters.registry import DrafterFamily, DrafterSizes, Trained, TreeOptions, register
 from spec_jax.losses import TargetOutputs, token_loss
 from spec_jax.models.drafter_heads import MedusaConfig, MedusaModel
@@ -87,19 +87,19 @@ class MedusaDrafter(Drafter):
                                      pos_BR[..., None], axis=1)
     return MedusaState(last_BD, recent_BRD.astype(last_BD.dtype))
 
-  def init_with_guesses(self, params, prompt: PromptInfo, positions_BA):
+  def init_with_first_logits(self, params, prompt: PromptInfo, positions_BA):
     # As in catch_up_with_hindsight, a round whose pending token sat at q drafts head 1 of
     # the target's hidden state at q - 1. That head never sees x_q: it was trained on text
     # where x_q is what the target's head makes of the same state, as in a greedy run, and
     # a prompt's tokens often are not. So only positions whose x_q is the target's greedy
-    # token there have a guess (-1 elsewhere, and at q = 0, which nothing precedes).
+    # token there have a draft (and not q = 0, which nothing precedes).
     state = self.init(params, prompt)
     hidden_BAD = gather_positions(prompt.target_hidden_BPD[..., :state.hidden_BD.shape[1]],
                                   positions_BA - 1)
-    guess_BA = greedy(self.model.first_head_logits(params, hidden_BAD)).astype(jnp.int32)
     greedy_BA = greedy(params.shared.logits(hidden_BAD)) == gather_positions(
         prompt.tokens_BP, positions_BA)
-    return state, jnp.where((positions_BA >= 1) & greedy_BA, guess_BA, -1)
+    return (state, self.model.first_head_logits(params, hidden_BAD),
+            (positions_BA >= 1) & greedy_BA)
 
   @property
   def guesses_at_init(self) -> bool:
@@ -153,6 +153,10 @@ class MedusaDrafter(Drafter):
   def hindsight_speaks_for_later_drafts(self) -> bool:
     return False  # head k > 1 is not head 1 one position on: the later estimates need rounds
 
+  @property
+  def has_sampled_hindsight(self) -> bool:
+    return True  # (its catch-up has head 1's logits, what propose draws the first draft from)
+
   def catch_up_with_hindsight(self, params, state: MedusaState, ctx: DraftContext,
                               rounds: int, gamma: int):
     # entry a: the round whose pending token sat at q = L - A + a would have drafted head 1
@@ -160,9 +164,10 @@ class MedusaDrafter(Drafter):
     width = min(rounds + 1, HINDSIGHT_WIDTH)
     q_BA = ctx.position_B[:, None] - width + jnp.arange(width, dtype=jnp.int32)[None, :]
     hidden_BAD = state.recent_BRD[:, RECENT - 1 - width:RECENT - 1]  # positions q - 1
-    guess_BA = greedy(self.model.first_head_logits(params, hidden_BAD))
-    followed_BA = jnp.take_along_axis(ctx.seq_BS, jnp.maximum(q_BA + 1, 0), axis=1)
-    return state, guess_BA == followed_BA
+    # (a sampled run: min(1, q(y) / p(y)); head 1 never sees the pending token x_q, so its
+    # q is the one propose would draw from whatever x_q was drawn)
+    return state, hindsight_scores(self.model.first_head_logits(params, hidden_BAD), q_BA + 1,
+                                   ctx)
 
 
 @dataclasses.dataclass(frozen=True)
