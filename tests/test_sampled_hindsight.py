@@ -195,31 +195,36 @@ def test_sampled_distribution_with_each_familys_hindsight(small_pair, joint_t1, 
   assert pvalue_vs_exact(out.tokens, joint_t1) > SIGNIFICANCE
 
 
-def test_a_sampled_look_at_the_prompt_learns_the_exact_acceptance(stories, story_prompts):
+@pytest.mark.parametrize("sampling", [SamplingConfig(0.8), SamplingConfig(0.8, top_k=5),
+                                      SamplingConfig(0.9, top_p=0.8)],
+                         ids=["temperature", "top_k", "top_p"])
+def test_a_sampled_look_at_the_prompt_learns_the_exact_acceptance(stories, story_prompts,
+                                                                  sampling):
   """Before its first round, a sampled watching program learns, after each of the prompt's
   last min(8, length) positions, the exact probability sum_x min(p, q) that the draft
   model's first draft there would be accepted (both models teacher-forced on the prompt,
-  both distributions at the run's temperature), as from a catch-up in hindsight: not the
-  greedy agreement a greedy run learns."""
+  both distributions warped as the run's rounds warp them), as from a catch-up in
+  hindsight: not the greedy agreement a greedy run learns."""
   from test_adaptive import _prompt_look
   model, params = stories
   draft_params = perturbed(params, 0.25, seed=1)
-  temperature = 0.8
   prompts = pad_prompts(story_prompts, width=12)
   cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.2, 1.4, 1.8), draft_cost=0.1,
                        rules=AdaptiveRules(give_up=0.0))
   program, args = prepare_program(model, DraftModelDrafter(model), *prompts, gamma=cfg,
-                                  max_new_tokens=16, sampling=SamplingConfig(temperature),
-                                  key=jax.random.key(0))
+                                  max_new_tokens=16, sampling=sampling, key=jax.random.key(0))
   stats = _prompt_look(program, params, draft_params, args)
   tokens_BP, lengths_B = map(np.asarray, prompts)
   positions = np.broadcast_to(np.arange(tokens_BP.shape[1], dtype=np.int32), tokens_BP.shape)
   probs = {}
   for name, p in (("target", params), ("draft", draft_params)):
-    logits = np.asarray(model.apply(p, tokens_BP, positions, model.init_cache(*tokens_BP.shape))[0],
-                        np.float64) / temperature
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    probs[name] = e / e.sum(-1, keepdims=True)
+    logits = model.apply(p, tokens_BP, positions, model.init_cache(*tokens_BP.shape))[0]
+    if sampling.top_k or sampling.top_p < 1.0:  # the rounds' own warp (checked against HF)
+      probs[name] = np.asarray(warped_probs(logits, sampling), np.float64)
+    else:  # temperature alone, computed here
+      logits = np.asarray(logits, np.float64) / sampling.temperature
+      e = np.exp(logits - logits.max(-1, keepdims=True))
+      probs[name] = e / e.sum(-1, keepdims=True)
   exact_all = []
   lr, prior = cfg.rules.learning_rate, cfg.rules.prior
   for row, length in enumerate(lengths_B):

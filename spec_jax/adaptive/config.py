@@ -145,13 +145,14 @@ class AdaptiveRules:
     (the last HINDSIGHT_WIDTH positions of each catch-up), as a verified round of drafts
     would, and end when drafting pays: no probes. A stretch that found nothing counts as a
     probe that was not promising (the wait grows, and restarts from that look), so watching
-    stops where probing would. The first look comes before the first round, at the prompt, where the
-    drafter's prefill yields its guesses (Drafter.init_with_guesses: a draft model, a layer
-    skip, a quantized target, lookup + one of those, an EAGLE chain, whose prefill runs
-    every prompt element on true features, a Medusa chain, at the positions whose token is
-    the target's greedy one, a DFlash or DSpark block, at positions after the first): its
-    greedy first draft after each of the prompt's last 8 positions against the target's
-    greedy token there (AdaptiveProgram.prompt_look; off with prompt_look=False).
+    stops where probing would. The first look comes before the first round, at the
+    prompt, where the drafter's prefill yields its first drafts' logits
+    (Drafter.init_with_first_logits: a draft model, a layer skip, a quantized target,
+    lookup + one of those, an EAGLE chain, whose prefill runs every prompt element on true
+    features, a Medusa chain, at the positions whose token is the target's greedy one, a
+    DFlash or DSpark block, at positions after the first): its greedy first draft after
+    each of the prompt's last 8 positions against the target's greedy token there
+    (AdaptiveProgram.prompt_look; off with prompt_look=False).
     Measured side by side (stop 39, one table each; the last run with these rules): the
     built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x
@@ -159,9 +160,10 @@ class AdaptiveRules:
     (Drafter.has_sampled_hindsight: a draft model, a layer skip, a quantized target, a
     Medusa or EAGLE chain, DFlash, DSpark, lookup + one of those) and no penalty or
     min_new_tokens processes the logits: each position's score is min(1, q(y) / p(y)) for
-    the token y its plain step drew (drafters.SampledHindsight), and there is no look at the
-    prompt (not a sample of the target). False: probes, as for every other drafter and
-    sampled run.
+    the token y its plain step drew (drafters.SampledHindsight); at the prompt, whose
+    tokens are not samples of the target but where both distributions are known, the
+    exact acceptance sum_x min(p, q) (drafters.common.first_draft_scores). False: probes,
+    as for every other drafter and sampled run.
   give_up: after a probe that was not promising, or a stretch that watched in hindsight to
     its end without finding drafting worth it, the wait before the next one jumps to its
     longest (64 x probe_every: in a short generation the rest of it runs as generate's loop,
@@ -172,7 +174,8 @@ class AdaptiveRules:
     stories260K agrees with the target on no first draft in 8 (upper end 0.40 at 0.99) where
     breaking even needs 0.63; it was watched every 12 steps, then 24, 48, each check a
     catch-up and a new round. With the look at the prompt it gives up before the first
-    round where that look rules drafting out (8 guesses, none right), and the run is
+    round where that look rules drafting out (8 guesses, none right; sampled, 8 exact
+    acceptances whose sum is that low), and the run is
     generate's loop from its first token. 0 disables it (the wait grows by probe_growth
     alone).
   record_holds_wait: a stretch that watched in hindsight to its end without finding drafting

@@ -96,8 +96,9 @@ def _adaptive_program_class():
       prefilling a draft cache nothing read.
 
       A program that watches in hindsight first looks at the prompt (look_at_prompt): its
-      drafter's prefill also says what it would have drafted first after each of the
-      prompt's last positions, and the target's logits there what the target chose."""
+      drafter's prefill also gives the distribution it would have drawn its first draft
+      from after each of the prompt's last positions, and the target's logits there the
+      target's (prompt_look)."""
       batch = prompt.tokens_BP.shape[0]
       stats = self.initial_stats(batch, costs)
       init = functools.partial(self.drafter.init, draft_params)

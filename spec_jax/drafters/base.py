@@ -230,12 +230,14 @@ class Drafter:
                              ) -> tuple[Any, jax.Array | None, jax.Array | None]:
     """init, logits_BAV [B, A, V]: the logits the first draft of a round whose pending token
     sat at prompt position positions_BA[b, a] would be drawn from (teacher-forced on the
-    prompt up to it; positions < lengths_B), and has_BA [B, A] bool: where it has such a
-    draft (not EAGLE at position 0, which no element precedes). The adaptive rounds compare
-    them with the target's logits there, a look in hindsight before the first round
-    (AdaptiveProgram.prompt_look; only what exists before any draft: lossless). A drafter
-    with hindsight (catch_up_with_hindsight) whose prefill yields them cheaply overrides
-    this and sets guesses_at_init; (None, None): not known."""
+    prompt up to it; positions < lengths_B), and has_BA [B, A] bool, given with the logits:
+    where it has such a draft (not at position 0 for EAGLE, DFlash and DSpark, which start
+    no round with nothing before it; Medusa only where the prompt's pending token is the
+    target's greedy one). The adaptive rounds compare them with the target's logits there,
+    a look in hindsight before the first round (AdaptiveProgram.prompt_look; only what
+    exists before any draft: lossless). A drafter with hindsight (catch_up_with_hindsight)
+    whose prefill yields them cheaply overrides this and sets guesses_at_init; (init,
+    None, None): not known."""
     del positions_BA
     return self.init(params, prompt), None, None
 

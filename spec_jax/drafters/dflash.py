@@ -258,7 +258,8 @@ class DFlashModel(BlockDrafterModel):
     pending token pending_BA[:, a] sat at positions_BA[:, a] (the cached context at slots
     below it, and its own block; never the other blocks) -> the normalised hidden state of
     each block's slot 1 [B, A, D], what that round's first draft is read from. Hindsight's
-    look at where rounds would have started (catch_up_with_hindsight, init_with_guesses)."""
+    look at where rounds would have started (catch_up_with_hindsight,
+    init_with_first_logits)."""
     net = self.module(params.own)
     ctx_kv = [(cache.k_LBKES[i], cache.v_LBKES[i]) for i in range(self.cache_layers)]
     # (the last layer's queries and MLP at slot 1 only: 8 blocks of 4 with stories260K's

@@ -92,7 +92,9 @@ class MedusaDrafter(Drafter):
     # the target's hidden state at q - 1. That head never sees x_q: it was trained on text
     # where x_q is what the target's head makes of the same state, as in a greedy run, and
     # a prompt's tokens often are not. So only positions whose x_q is the target's greedy
-    # token there have a draft (and not q = 0, which nothing precedes).
+    # token there have a draft (and not q = 0, which nothing precedes). A sampled run's x_q
+    # is a sample, often not the greedy token: there the look reads head 1 where the
+    # context is likeliest, an estimate on the high side that its stretches then correct.
     state = self.init(params, prompt)
     hidden_BAD = gather_positions(prompt.target_hidden_BPD[..., :state.hidden_BD.shape[1]],
                                   positions_BA - 1)
