@@ -41,6 +41,20 @@ def test_stream_prints_the_same_text_as_a_plain_run():
   assert streamed.stdout.startswith(text + "\n")
 
 
+def test_a_sampled_compare_does_not_call_different_draws_an_error():
+  """Sampled, speculation keeps the target's distribution, not autoregressive decoding's
+  draws: --compare says so instead of flagging the outputs as DIFFERENT (the word a greedy
+  mismatch, which would be a bug, prints)."""
+  model = str(require_shared(STORIES_DIR / "stories260K.bin"))
+  proc = run_cli("Once upon a time", "--model", model, "--draft", "layer_skip", "--draft-layers",
+                 "2", "--gamma", "3", "--max-new-tokens", "40", "--temperature", "1.0",
+                 "--seed", "3", "--compare")
+  assert proc.returncode == 0, proc.stderr
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last.startswith("autoregressive:") and "DIFFERENT" not in last
+  assert "identical" in last or "different draws (sampled" in last
+
+
 def test_bad_flags_fail_clearly():
   model = str(require_shared(STORIES_DIR / "stories260K.bin"))
   proc = run_cli("hi", "--model", model, "--gamma", "0")
