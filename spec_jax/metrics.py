@@ -64,6 +64,13 @@ class AdaptiveStats:
   # decoding so far, by the cost table: each drafted round's advance of the batch's finish
   # less its cost, each catch-up after plain steps its cost (AdaptiveRules.loss_budget)
   account: jax.Array | None = None
+  # sampled chain programs (AdaptiveRules.exact_acceptance): [B, G] float32, the probability
+  # sum_x min(p_i, q_i) that the last drafted round's draft i would be accepted given the
+  # drafts before it, from both distributions, which its target pass has in hand: what
+  # update learns at each position the round reached in place of its 0/1 outcome (the same
+  # mean, without the draw's variance). None: greedy runs (there it is the outcome), trees,
+  # verifiers whose acceptance is another rule
+  round_accept_BG: jax.Array | None = None
   # whether the rounds move gamma_B (AdaptiveRules.schedule); off, it stays initial_gamma
   # and the summary leaves it out
   scheduled: bool = struct.field(pytree_node=False, default=False)
@@ -71,8 +78,8 @@ class AdaptiveStats:
   @classmethod
   def zeros(cls, batch_size: int, gamma: int, widths, initial_gamma: int, prior: float,
             probe_every: int, tree_nodes: int | None = None,
-            sources: bool = False, costs=None,
-            scheduled: bool = False) -> "AdaptiveStats":
+            sources: bool = False, costs=None, scheduled: bool = False,
+            exact_acceptance: bool = False) -> "AdaptiveStats":
     nodes = None if tree_nodes is None else jnp.full((batch_size, tree_nodes - 1), prior,
                                                      jnp.float32)
     record = lambda: (jnp.full((batch_size, gamma), prior, jnp.float32),
@@ -84,7 +91,9 @@ class AdaptiveStats:
                jnp.zeros(gamma + 1, jnp.int32), jnp.zeros(batch_size, jnp.int32),
                first_seen_B, first_accepted_B, nodes,
                SourceRecord(*record()) if sources else None, costs,
-               account=jnp.float32(0.0), scheduled=scheduled)
+               account=jnp.float32(0.0), scheduled=scheduled,
+               round_accept_BG=(jnp.zeros((batch_size, gamma), jnp.float32)
+                                if exact_acceptance else None))
 
   def with_source(self, primary_B) -> "AdaptiveStats":
     """The record (and schedule) each row reads and writes swapped to its primary source's
@@ -220,6 +229,10 @@ class AdaptiveStats:
     if empty_B is not None:  # a row the drafter had nothing for: its first draft missed
       seen_BG |= (drafted & active_B & empty_B)[:, None] & (j_G == 0)
     hit_BG = (j_G < num_accepted_B[:, None]).astype(jnp.float32)
+    if self.round_accept_BG is not None:  # a sampled round: each reached draft's exact odds
+      hit_BG = self.round_accept_BG
+      if empty_B is not None:  # (a row with nothing to draft missed, whatever it verified)
+        hit_BG = jnp.where(empty_B[:, None], 0.0, hit_BG)
     unseen_BG = (drafted & active_B)[:, None] & ~seen_BG & (j_G >= 1)
     if later_follow_first:
       prior = jnp.maximum(prior, self.estimate_BG[:, :1])
@@ -254,7 +267,7 @@ class AdaptiveStats:
         admitted_B=self.admitted_B + admitted_B * active_i,
         first_seen_B=self.first_seen_B + seen_BG[:, 0].astype(jnp.int32),
         first_accepted_B=self.first_accepted_B
-        + (seen_BG[:, 0] & (num_accepted_B > 0)).astype(self.first_accepted_B.dtype))
+        + jnp.where(seen_BG[:, 0], hit_BG[:, 0], 0.0).astype(self.first_accepted_B.dtype))
 
 
 @struct.dataclass

@@ -151,8 +151,11 @@ def test_sampled_distribution_with_hindsight_steering_the_rounds(small_pair, joi
   target, tp = small_pair[:2]
   sampling = SamplingConfig(1.0)
   cfg = AdaptiveConfig(4, widths=(1, 2, 3, 5), target_costs=(1.0, 1.2, 1.4, 1.8), draft_cost=0.1,
+                       # (no look at the prompt, and verified rounds teach their outcomes:
+                       # the first round's rejection on the long row is what makes it check)
                        rules=AdaptiveRules(prior=0.3, learning_rate=0.5, probe_every=1,
-                                           initial_gamma=4, prompt_look=False))
+                                           initial_gamma=4, prompt_look=False,
+                                           exact_acceptance=False))
   out = speculate(target, tp, DraftModelDrafter(target), perturbed(tp, 0.7, seed=3),
                   *pad_prompts([PROMPT] * SAMPLES), gamma=cfg, max_new_tokens=DEPTH + 9,
                   budgets_B=[DEPTH + 9] + [DEPTH + 3] * (SAMPLES - 1), sampling=sampling,
@@ -261,3 +264,63 @@ def test_sampled_distribution_with_the_prompt_look_steering_the_rounds(small_pai
   assert verified[True] >= SAMPLES > 10 * verified[False], verified
   assert int(np.sum(runs[True].metrics.accepted_B)) > SAMPLES // 2
   assert pvalue_vs_exact(runs[True].tokens, joint_t1) > SIGNIFICANCE
+
+
+def test_exact_acceptance_is_sum_of_min_p_q_at_each_draft():
+  """What a sampled verified round teaches at each position: sum_x min(p, q), p the target's
+  warped distribution there and q the draft's; p(draft) for a deterministic drafter (q
+  one-hot); 0 where the logits are not finite."""
+  from spec_jax.adaptive.rounds import exact_acceptance
+  rng = np.random.default_rng(4)
+  batch, drafts, vocab = 3, 2, 6
+  logits_BGV = jnp.asarray(rng.normal(size=(batch, drafts, vocab)) * 2, jnp.float32)
+  q_BGV = jnp.asarray(rng.dirichlet(np.ones(vocab), (batch, drafts)), jnp.float32)
+  drafts_BG = jnp.asarray(rng.integers(0, vocab, (batch, drafts)), jnp.int32)
+  sampling = SamplingConfig(0.7, top_k=4)
+  p_BGV = np.asarray(warped_probs(logits_BGV, sampling))
+  got = np.asarray(exact_acceptance(drafts_BG, q_BGV, logits_BGV, sampling))
+  np.testing.assert_allclose(got, np.minimum(p_BGV, np.asarray(q_BGV)).sum(-1), rtol=1e-5)
+  copied = np.asarray(exact_acceptance(drafts_BG, None, logits_BGV, sampling))
+  np.testing.assert_allclose(copied, np.take_along_axis(p_BGV, np.asarray(drafts_BG)[..., None],
+                                                        -1)[..., 0], rtol=1e-5)
+  broken = np.asarray(exact_acceptance(drafts_BG, q_BGV, logits_BGV.at[1].set(jnp.nan),
+                                       sampling))
+  assert (broken[1] == 0).all() and (broken[0] == got[0]).all()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_sampled_round_learns_the_exact_acceptance_of_its_draft(small_pair, exact):
+  """One drafted round per row (a budget of 3 tokens: the prefill's, a draft and the one
+  the verdict adds): with AdaptiveRules.exact_acceptance each row's first-draft record and
+  estimate learn the exact probability sum_x min(p, q) that its draft would be accepted
+  after its prompt and first token, computed here from both models; without it, the 0/1
+  outcome its verifier drew."""
+  target, tp = small_pair[:2]
+  dp = perturbed(tp, 0.7, seed=3)
+  rows, prior, lr = 64, 0.9, 0.5
+  cfg = AdaptiveConfig(1, widths=(1, 2), target_costs=(1.0, 1.1), draft_cost=0.0,
+                       rules=AdaptiveRules(prior=prior, learning_rate=lr, prompt_look=False,
+                                           exact_acceptance=exact))
+  sampling = SamplingConfig(1.0)
+  out = speculate(target, tp, DraftModelDrafter(target), dp, *pad_prompts([PROMPT] * rows),
+                  gamma=cfg, max_new_tokens=3, sampling=sampling, key=jax.random.key(5))
+  stats = out.metrics.adaptive
+  assert (np.asarray(stats.first_seen_B) == 1).all()  # one verified first draft a row
+  first_B = np.asarray(out.tokens)[:, 0]
+  exact_B = []
+  for token in first_B:
+    seq = np.asarray(PROMPT + [int(token)])[None]
+    pos = np.arange(seq.shape[1])[None]
+    p, q = (np.asarray(warped_probs(target.apply(params, seq, pos,
+                                                 target.init_cache(1, seq.shape[1]))[0][0, -1],
+                                    sampling)) for params in (tp, dp))
+    exact_B.append(np.minimum(p, q).sum())
+  exact_B = np.asarray(exact_B)
+  learned_B = np.asarray(stats.first_accepted_B)
+  if exact:
+    np.testing.assert_allclose(learned_B, exact_B, rtol=1e-4)
+    np.testing.assert_allclose(stats.estimate_BG[:, 0], prior + lr * (exact_B - prior),
+                               rtol=1e-4)
+  else:  # the coins: 0 or 1, both drawn
+    assert set(np.unique(learned_B)) == {0.0, 1.0}
+  assert 0.2 < exact_B.mean() < 0.95 and len(np.unique(first_B)) > 1

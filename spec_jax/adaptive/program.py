@@ -36,7 +36,16 @@ def _adaptive_program_class():
                                  r.prior, self.probe_every, self.adaptive.tree_nodes,
                                  sources=self.drafter.has_sources,
                                  costs=None if self.drafter.is_tree else costs,
-                                 scheduled=r.schedule and not self.drafter.is_tree)
+                                 scheduled=r.schedule and not self.drafter.is_tree,
+                                 exact_acceptance=self.learns_exact_acceptance)
+
+    @property
+    def learns_exact_acceptance(self) -> bool:
+      """Static: drafted rounds teach the exact acceptance of each reached draft, not the
+      verifier's draw (AdaptiveRules.exact_acceptance)."""
+      return (self.adaptive.rules.exact_acceptance and not self.sampling.is_greedy
+              and not self.drafter.is_tree
+              and getattr(self.verifier, "agreement_is_acceptance", True))
 
     @property
     def probe_every(self) -> int:

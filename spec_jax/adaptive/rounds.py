@@ -21,7 +21,7 @@ from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, cho
                                         verify_admitted, width_index, wilson_upper)
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
-                                    split_unless_greedy)
+                                    split_unless_greedy, warped_probs)
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, Drafter, SampledHindsight
 from spec_jax.generate import decode_token, finite_prefix, remaining_tokens, write_tokens
 from spec_jax.metrics import AdaptiveStats
@@ -872,7 +872,30 @@ class AdaptiveRound:
                        # rows whose logits were not finite stop there, failed
                        num_finite_B=finite_prefix(nonfinite_rows(logits_BWV)),
                        verified_B=verified_B)
+    stats = new.metrics.adaptive
+    if stats is not None and stats.round_accept_BG is not None:  # (static: sampled chains)
+      accept_BG = jnp.zeros_like(stats.round_accept_BG)
+      if width > 1:
+        accept_BG = accept_BG.at[:, :width - 1].set(exact_acceptance(
+            drafts_BG[:, :width - 1], None if probs_BGV is None else probs_BGV[:, :width - 1],
+            logits_BWV[:, :width - 1], sampling))
+      new = new.replace(metrics=new.metrics.replace(
+          adaptive=stats.replace(round_accept_BG=accept_BG)))
     return new, num_accepted_B
+
+
+def exact_acceptance(drafts_BG, probs_BGV, logits_BGV, sampling: SamplingConfig) -> jax.Array:
+  """[B, G] float32: the probability that each draft would be accepted given the drafts
+  before it, sum_x min(p, q), with p the target's warped distribution at its position (the
+  logits already processed, as the verifier reads them) and q the draft's (one-hot at the
+  draft where probs_BGV is None: a deterministic drafter's, p(draft)); 0 where either is
+  not finite (a miss, as such a row's round counts it)."""
+  p_BGV = warped_probs(logits_BGV, sampling)
+  if probs_BGV is None:
+    accept_BG = jnp.take_along_axis(p_BGV, drafts_BG[..., None], axis=-1)[..., 0]
+  else:
+    accept_BG = jnp.sum(jnp.minimum(p_BGV, probs_BGV.astype(jnp.float32)), axis=-1)
+  return jnp.where(jnp.isnan(accept_BG), 0.0, jnp.clip(accept_BG, 0.0, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
