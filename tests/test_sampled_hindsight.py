@@ -278,13 +278,13 @@ def test_exact_acceptance_is_sum_of_min_p_q_at_each_draft():
   drafts_BG = jnp.asarray(rng.integers(0, vocab, (batch, drafts)), jnp.int32)
   sampling = SamplingConfig(0.7, top_k=4)
   p_BGV = np.asarray(warped_probs(logits_BGV, sampling))
-  got = np.asarray(exact_acceptance(drafts_BG, q_BGV, logits_BGV, sampling))
+  got = np.asarray(exact_acceptance(drafts_BG, q_BGV, warped_probs(logits_BGV, sampling)))
   np.testing.assert_allclose(got, np.minimum(p_BGV, np.asarray(q_BGV)).sum(-1), rtol=1e-5)
-  copied = np.asarray(exact_acceptance(drafts_BG, None, logits_BGV, sampling))
+  copied = np.asarray(exact_acceptance(drafts_BG, None, warped_probs(logits_BGV, sampling)))
   np.testing.assert_allclose(copied, np.take_along_axis(p_BGV, np.asarray(drafts_BG)[..., None],
                                                         -1)[..., 0], rtol=1e-5)
-  broken = np.asarray(exact_acceptance(drafts_BG, q_BGV, logits_BGV.at[1].set(jnp.nan),
-                                       sampling))
+  broken = np.asarray(exact_acceptance(drafts_BG, q_BGV, warped_probs(
+      logits_BGV.at[1].set(jnp.nan), sampling)))
   assert (broken[1] == 0).all() and (broken[0] == got[0]).all()
 
 

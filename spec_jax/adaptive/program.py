@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.adaptive.config import AdaptiveConfig, memoised_when_hashable
-from spec_jax.adaptive.rounds import AdaptiveRound, AdaptiveTreeRound
+from spec_jax.adaptive.rounds import AdaptiveRound, AdaptiveTreeRound, acceptance_is_the_rule
 from spec_jax.core.control import cond_in_place, zeros_like_outputs
 from spec_jax.drafters.base import HINDSIGHT_WIDTH
 from spec_jax.drafters.common import first_draft_scores
@@ -45,7 +45,7 @@ def _adaptive_program_class():
       verifier's draw (AdaptiveRules.exact_acceptance)."""
       return (self.adaptive.rules.exact_acceptance and not self.sampling.is_greedy
               and not self.drafter.is_tree
-              and getattr(self.verifier, "agreement_is_acceptance", True))
+              and acceptance_is_the_rule(self.verifier))
 
     @property
     def probe_every(self) -> int:

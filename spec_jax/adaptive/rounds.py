@@ -20,8 +20,8 @@ from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, cho
                                         scaled_probe_every, schedule_length, steps_to_probe,
                                         verify_admitted, width_index, wilson_upper)
 from spec_jax.core.control import cond_in_place, switch_in_place
-from spec_jax.core.sampling import (SamplingConfig, nonfinite_rows, process_logits, sample,
-                                    split_unless_greedy, warped_probs)
+from spec_jax.core.sampling import (SamplingConfig, acceptance_probability, nonfinite_rows,
+                                    process_logits, sample, split_unless_greedy, warped_probs)
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, Drafter, SampledHindsight
 from spec_jax.generate import decode_token, finite_prefix, remaining_tokens, write_tokens
 from spec_jax.metrics import AdaptiveStats
@@ -244,7 +244,7 @@ class AdaptiveRound:
     scored = sampling.is_greedy or (drafter.has_sampled_hindsight
                                     and not sampling.processes_logits)
     return (self.config.rules.hindsight and drafter.has_hindsight and scored
-            and getattr(verifier, "agreement_is_acceptance", True) and not self.forced)
+            and acceptance_is_the_rule(verifier) and not self.forced)
 
   def costs_of(self, stats: AdaptiveStats):
     """The cost table a round plans from: the program's argument, carried in the stats
@@ -876,26 +876,33 @@ class AdaptiveRound:
     if stats is not None and stats.round_accept_BG is not None:  # (static: sampled chains)
       accept_BG = jnp.zeros_like(stats.round_accept_BG)
       if width > 1:
+        # (warped whole, the same expression the verifier warps, which XLA can share)
+        p_BWV = warped_probs(logits_BWV, sampling)
         accept_BG = accept_BG.at[:, :width - 1].set(exact_acceptance(
             drafts_BG[:, :width - 1], None if probs_BGV is None else probs_BGV[:, :width - 1],
-            logits_BWV[:, :width - 1], sampling))
+            p_BWV[:, :width - 1]))
       new = new.replace(metrics=new.metrics.replace(
           adaptive=stats.replace(round_accept_BG=accept_BG)))
     return new, num_accepted_B
 
 
-def exact_acceptance(drafts_BG, probs_BGV, logits_BGV, sampling: SamplingConfig) -> jax.Array:
+def acceptance_is_the_rule(verifier) -> bool:
+  """Static: the verifier accepts by the library's rule (greedy agreement; sampled,
+  rejection sampling), so agreement and sum_x min(p, q) are what it accepts at: not the
+  benchmarks' CoinVerifier (`agreement_is_acceptance = False`)."""
+  return getattr(verifier, "agreement_is_acceptance", True)
+
+
+def exact_acceptance(drafts_BG, probs_BGV, p_BGV) -> jax.Array:
   """[B, G] float32: the probability that each draft would be accepted given the drafts
-  before it, sum_x min(p, q), with p the target's warped distribution at its position (the
-  logits already processed, as the verifier reads them) and q the draft's (one-hot at the
-  draft where probs_BGV is None: a deterministic drafter's, p(draft)); 0 where either is
-  not finite (a miss, as such a row's round counts it)."""
-  p_BGV = warped_probs(logits_BGV, sampling)
+  before it, sum_x min(p, q) (core.sampling.acceptance_probability), with p_BGV the
+  target's warped distribution at its position (from the logits as the verifier reads
+  them) and q the draft's (one-hot at the draft where probs_BGV is None: a deterministic
+  drafter's, p(draft)); 0 where either is not finite (a miss, as such a row's round counts
+  it)."""
   if probs_BGV is None:
-    accept_BG = jnp.take_along_axis(p_BGV, drafts_BG[..., None], axis=-1)[..., 0]
-  else:
-    accept_BG = jnp.sum(jnp.minimum(p_BGV, probs_BGV.astype(jnp.float32)), axis=-1)
-  return jnp.where(jnp.isnan(accept_BG), 0.0, jnp.clip(accept_BG, 0.0, 1.0))
+    probs_BGV = jax.nn.one_hot(drafts_BG, p_BGV.shape[-1], dtype=p_BGV.dtype)
+  return acceptance_probability(p_BGV, probs_BGV)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -264,6 +264,14 @@ def warped_probs(logits_NV: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return jnp.exp(warp_logits(logits_NV, cfg))
 
 
+def acceptance_probability(p_NV: jax.Array, q_NV: jax.Array) -> jax.Array:
+  """[N]: sum_x min(p, q), the probability that a draft drawn from q is accepted against a
+  target distribution p by speculative sampling's rejection rule; 0 where either is not
+  finite (a miss)."""
+  accept_N = jnp.sum(jnp.minimum(p_NV, q_NV.astype(p_NV.dtype)), axis=-1)
+  return jnp.where(jnp.isnan(accept_N), 0.0, jnp.clip(accept_N, 0.0, 1.0))
+
+
 # --- random draws, one key per row ---------------------------------------------------------------
 #
 # Every draw of the loops, verifiers and drafters goes through these: row b uses

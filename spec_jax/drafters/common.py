@@ -8,8 +8,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from spec_jax.core.sampling import (SamplingConfig, TokenHistory, greedy, process_logits,
-                                    sample, warp_logits, warped_probs)
+from spec_jax.core.sampling import (SamplingConfig, TokenHistory, acceptance_probability,
+                                    greedy, process_logits, sample, warp_logits, warped_probs)
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo, RoundOutcome
 from spec_jax.generate import at_positions, last_position
 
@@ -220,10 +220,8 @@ def first_draft_scores(target_logits_BAV: jax.Array, draft_logits_BAV: jax.Array
   draft with non-finite logits scores 0, a miss)."""
   if sampling.is_greedy:
     return greedy(draft_logits_BAV) == greedy(target_logits_BAV)
-  p_BAV = jnp.exp(warp_logits(target_logits_BAV, sampling))
-  q_BAV = jnp.exp(warp_logits(draft_logits_BAV, sampling))
-  score_BA = jnp.sum(jnp.minimum(p_BAV, q_BAV), axis=-1)
-  return jnp.where(jnp.isnan(score_BA), 0.0, jnp.minimum(score_BA, 1.0))
+  return acceptance_probability(warped_probs(target_logits_BAV, sampling),
+                                warped_probs(draft_logits_BAV, sampling))
 
 
 def window_positions(position_B: jax.Array, width: int) -> jax.Array:
