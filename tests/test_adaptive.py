@@ -799,7 +799,7 @@ def test_hindsight_is_the_draft_models_greedy_guess(stories, story_prompts):
   model, params = stories
   draft_params = perturbed(params, 0.15, seed=1)
   drafter = DraftModelDrafter(model)
-  assert drafter.has_hindsight and not make_drafter("prompt_lookup", model, params)[0].has_hindsight
+  assert drafter.has_hindsight
   prompts = pad_prompts(story_prompts, width=12)
   ref = generate(model, params, *prompts, max_new_tokens=NEW)
   seq_BS = np.asarray(ref.sequences)
@@ -858,13 +858,26 @@ def test_a_combinations_hindsight_is_each_sources_own(stories, story_prompts, re
     tokens_BG, _, found = lookup.propose(None, None, ctx(p_B), 1, SamplingConfig(0.0),
                                          jax.random.key(0))
     np.testing.assert_array_equal(lookup_found_BA[:, a], np.asarray(found.found_B))
-    np.testing.assert_array_equal(lookup_agree_BA[:, a], np.asarray(tokens_BG)[:, 0] == followed_B)
+    np.testing.assert_array_equal(lookup_agree_BA[:, a], np.asarray(found.found_B)
+                                  & (np.asarray(tokens_BG)[:, 0] == followed_B))
     # the rows a round started here would take from lookup: known from the context alone
     np.testing.assert_array_equal(drafter.primary_rows(both, state, ctx(p_B)),
                                   np.asarray(found.found_B))
   assert lookup_found_BA.any() and not lookup_found_BA.all()  # both kinds: the test can fail
   # where the two sources disagree on the same position, the records see different things
   assert (lookup_found_BA & (lookup_agree_BA != np.asarray(agree_BA))).any()
+  # lookup alone watches with the same record: a position without a match is a miss, as a
+  # verified round counts a row with nothing to draft; sampled, the same as scores
+  assert lookup.has_hindsight and not lookup.hindsight_speaks_for_later_drafts
+  assert lookup_agree_BA.any() and not lookup_agree_BA.all()
+  _, alone_BA = lookup.catch_up_with_hindsight(None, None, ctx(at_B), 16, gamma=4)
+  np.testing.assert_array_equal(alone_BA, lookup_agree_BA)
+  _, short_BA = lookup.catch_up_with_hindsight(None, None, ctx(at_B), 3, gamma=4)
+  np.testing.assert_array_equal(short_BA, lookup_agree_BA[:, -4:])  # the stretch's last 4
+  sampled = ctx(at_B).replace(sampled_hindsight=object())  # (read only for its presence)
+  _, scores_BA = lookup.catch_up_with_hindsight(None, None, sampled, 16, gamma=4)
+  assert scores_BA.dtype == jnp.float32
+  np.testing.assert_array_equal(scores_BA, lookup_agree_BA.astype(np.float32))
 
 
 def _prompt_look(program, params, draft_params, args):

@@ -39,7 +39,7 @@ from flax import struct
 from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo, RoundOutcome
 from spec_jax.drafters.draft_model import DraftModelDrafter, DraftModelState
 from spec_jax.drafters.common import autoregressive_drafts, window_positions
-from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, first_guesses, found_match
+from spec_jax.drafters.prompt_lookup import PromptLookupDrafter, found_match
 from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
 from spec_jax.core.control import cond_in_place, switch_in_place, zeros_like_outputs
 from spec_jax.core.errors import BadArgument
@@ -249,11 +249,7 @@ class FallbackDrafter(Drafter):
   def primary_hindsight(self, ctx: DraftContext, width: int):
     if not self.has_sources:
       return super().primary_hindsight(ctx, width)
-    pending_BA = window_positions(ctx.position_B, width)  # L - width .. L - 1
-    guess_BA, found_BA = first_guesses(ctx.seq_BS, pending_BA, self.primary.max_ngram,
-                                       self.primary.min_ngram)
-    followed_BA = jnp.take_along_axis(ctx.seq_BS, jnp.maximum(pending_BA + 1, 0), axis=1)
-    return guess_BA == followed_BA, found_BA & (pending_BA >= 0)
+    return self.primary.hindsight(ctx, width)
 
   def propose(self, params, state: FallbackState, ctx: DraftContext, gamma: int,
               sampling: SamplingConfig, key: jax.Array):

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from spec_jax.drafters.base import DraftContext, Drafter, PromptInfo
+from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, Drafter, PromptInfo
+from spec_jax.drafters.common import window_positions
 from spec_jax.core.sampling import SamplingConfig
 from spec_jax.drafters.registry import BuildOptions, DrafterFamily, register
 
@@ -85,6 +86,20 @@ def first_guesses(seq_BS: jax.Array, pending_BA: jax.Array, max_ngram: int,
   return tokens_BA1[..., 0], found_BA
 
 
+def lookup_hindsight(seq_BS: jax.Array, position_B: jax.Array, width: int, max_ngram: int,
+                     min_ngram: int) -> tuple[jax.Array, jax.Array]:
+  """How lookup's first draft would have fared in a round started at each of the last `width`
+  positions before the pending token at position_B (L - width .. L - 1, the tokens after
+  them known) -> (copied_BA, found_BA) [B, width] bool: whether it matched there and copied
+  the token that followed, and whether it matched (padding positions, before the buffer's
+  start, did neither)."""
+  pending_BA = window_positions(position_B, width)
+  guess_BA, found_BA = first_guesses(seq_BS, pending_BA, max_ngram, min_ngram)
+  followed_BA = jnp.take_along_axis(seq_BS, jnp.maximum(pending_BA + 1, 0), axis=1)
+  found_BA &= pending_BA >= 0
+  return found_BA & (guess_BA == followed_BA), found_BA
+
+
 @struct.dataclass
 class PromptLookupState:
   found_B: jax.Array  # [B] bool: the last proposal came from a match (see FallbackDrafter)
@@ -124,6 +139,38 @@ class PromptLookupDrafter(Drafter):
   def catch_up_after(self, params, state: PromptLookupState, ctx: DraftContext, rounds: int,
                      gamma: int) -> PromptLookupState:
     return state
+
+  def hindsight(self, ctx: DraftContext, width: int) -> tuple[jax.Array, jax.Array]:
+    """lookup_hindsight at ctx with this drafter's n-gram range."""
+    return lookup_hindsight(ctx.seq_BS, ctx.position_B, width, self.max_ngram, self.min_ngram)
+
+  @property
+  def has_hindsight(self) -> bool:
+    return True
+
+  @property
+  def has_sampled_hindsight(self) -> bool:
+    return True
+
+  @property
+  def hindsight_speaks_for_later_drafts(self) -> bool:
+    # a later draft continues the round's copy; the guess at the next position is a fresh
+    # search (often the same copy, not always): the later estimates learn from verified
+    # rounds, and the record's floor (for drafts that follow their first) stays off
+    return False
+
+  def catch_up_with_hindsight(self, params, state: PromptLookupState, ctx: DraftContext,
+                              rounds: int, gamma: int):
+    """The state as it is, and whether a round started at each of the stretch's last
+    min(rounds + 1, HINDSIGHT_WIDTH) positions would have accepted lookup's first draft: it
+    matched there and copied the token that followed (no match: a miss, as a verified
+    round counts a row with nothing to draft). The guess is deterministic, so in a sampled
+    run whether the drawn token equals it is already an unbiased score of its acceptance
+    p(guess) = sum_x min(p, one-hot)."""
+    copied_BA, _ = self.hindsight(ctx, min(rounds + 1, HINDSIGHT_WIDTH))
+    if ctx.sampled_hindsight is not None:
+      copied_BA = copied_BA.astype(jnp.float32)
+    return state, copied_BA
 
 
 def _build(target, target_params, opts: BuildOptions):
