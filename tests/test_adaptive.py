@@ -1665,11 +1665,12 @@ def test_probes_come_further_apart_where_drafting_could_gain_little():
       layer_skip, watched.sampling) == 8
   # a run: with probe_share 0 probes come every 8 idle steps; with the scaled 22 the window
   # (22 x 4.2 = 92 tokens) leaves none in 48 (a round falling back to the rules' 8 would
-  # probe once its rows have 34 tokens left)
+  # probe once its rows have 34 tokens left); lookup probing (it watches by default)
   prompts = pad_prompts([[1, 2, 3, 4], [5, 6, 7]])
   runs = {share: summarize(speculate(
       model, params, lookup, lookup_params, *prompts, max_new_tokens=48,
-      gamma=dataclasses.replace(dear, rules=dataclasses.replace(rules, probe_share=share))
+      gamma=dataclasses.replace(dear, rules=dataclasses.replace(rules, probe_share=share,
+                                                                hindsight=False))
       ).metrics) for share in (0.0, 0.5)}
   drafted = {k: m["rounds"] - m["adaptive"]["undrafted_rounds"] for k, m in runs.items()}
   assert drafted[0.0] > 0 and drafted[0.5] == 0, runs
