@@ -901,7 +901,7 @@ def test_guesses_at_init_says_whether_the_prefill_gives_guesses(stories, story_p
   prompt = PromptInfo(tokens_BP, lengths_B, tokens_BP.shape[1] + 8)
   _, guess = jax.eval_shape(lambda: drafter.init_with_guesses(draft_params, prompt,
                                                               positions_BA))
-  assert drafter.guesses_at_init == (kind != "prompt_lookup")
+  assert drafter.guesses_at_init
   assert (guess is not None) == drafter.guesses_at_init
   if guess is not None:
     assert (guess.shape, guess.dtype) == ((2, 3), jnp.int32)
@@ -980,6 +980,57 @@ def test_the_look_at_the_prompt_is_the_two_models_greedy_agreement(stories, stor
     np.testing.assert_allclose(stats.estimate_BG[row, 0], expected, rtol=1e-5)
     agreed.extend(agree)
   assert 0 < np.mean(agreed) < 1  # both outcomes occur: the comparison can fail
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lookups_look_at_the_prompt_counts_no_match_as_a_miss(stories, story_prompts,
+                                                             reference_tokens, temperature):
+  """Prompt lookup alone looks at the prompt too: after each of its last min(8, length)
+  positions, lookup's first draft there (a copy of what followed the longest earlier match)
+  scored against the target, greedy: whether it is the target's greedy token; sampled: the
+  target's probability of it (q one-hot: sum_x min(p, q)); no match: a miss. A prompt that
+  repeats nothing starts its estimate low instead of drafting at the prior."""
+  from spec_jax.core.sampling import warped_probs
+  model, params = stories
+  lookup, _ = make_drafter("prompt_lookup", model, params)
+  repeated = [1] + reference_tokens[131:141] * 2  # a passage twice: matches, some copy right
+  prompts = pad_prompts(story_prompts[:2] + [repeated], width=24)
+  sampling = SamplingConfig(temperature)
+  cfg = config(give_up=0.0)
+  program, args = prepare_program(model, lookup, *prompts, gamma=cfg, max_new_tokens=NEW,
+                                  sampling=sampling, key=jax.random.key(0))
+  stats = _prompt_look(program, params, None, args)
+  tokens_BP, lengths_B = map(np.asarray, prompts)
+  positions = np.broadcast_to(np.arange(tokens_BP.shape[1], dtype=np.int32), tokens_BP.shape)
+  logits = model.apply(params, tokens_BP, positions, model.init_cache(*tokens_BP.shape))[0]
+  p_BPV = np.asarray(warped_probs(logits, sampling)) if temperature else None
+  scores = []
+  for row, length in enumerate(lengths_B):
+    window = np.arange(max(0, length - HINDSIGHT_WIDTH), length)
+    row_scores = []
+    for q in window:  # lookup by hand: the latest earlier match of the longest n-gram
+      seq, copy = list(tokens_BP[row, :q + 1]), None
+      for n in range(min(3, q), 0, -1):
+        ends = [e for e in range(n - 1, q) if seq[e - n + 1:e + 1] == seq[q - n + 1:q + 1]]
+        if ends:
+          copy = seq[max(ends) + 1]
+          break
+      if copy is None:
+        row_scores.append(0.0)
+      elif temperature:
+        row_scores.append(float(p_BPV[row, q, copy]))
+      else:
+        row_scores.append(float(copy == int(np.argmax(np.asarray(logits)[row, q]))))
+    assert int(stats.first_seen_B[row]) == len(window)
+    np.testing.assert_allclose(float(stats.first_accepted_B[row]), sum(row_scores), rtol=1e-5,
+                               atol=1e-6)
+    lr, prior = cfg.rules.learning_rate, cfg.rules.prior
+    expected = prior + (1 - (1 - lr) ** len(window)) * (np.mean(row_scores) - prior)
+    np.testing.assert_allclose(stats.estimate_BG[row, 0], expected, rtol=1e-5)
+    scores.append(row_scores)
+  assert max(scores[2]) > 0.5 and min(map(min, scores)) == 0  # hits and misses: it can fail
+  assert max(scores[0]) == 0  # a story prompt repeats nothing: its estimate starts low
+  assert float(stats.estimate_BG[0, 0]) < 0.2  # (the prior 0.7, after 5 misses 0.12)
 
 
 def test_a_combinations_look_at_the_prompt_is_the_models(stories, story_prompts,

@@ -237,7 +237,8 @@ class Drafter:
     a look in hindsight before the first round (AdaptiveProgram.prompt_look; only what
     exists before any draft: lossless). A drafter with hindsight (catch_up_with_hindsight)
     whose prefill yields them cheaply overrides this and sets guesses_at_init; (init,
-    None, None): not known."""
+    None, None): not known. A deterministic drafter may give its drafts instead, int
+    [B, A], -1 where it has none (prompt lookup: drafters.common.first_draft_scores)."""
     del positions_BA
     return self.init(params, prompt), None, None
 
@@ -248,6 +249,8 @@ class Drafter:
     state, logits_BAV, has_BA = self.init_with_first_logits(params, prompt, positions_BA)
     if logits_BAV is None:
       return state, None
+    if jnp.issubdtype(logits_BAV.dtype, jnp.integer):  # a deterministic drafter's drafts
+      return state, jnp.where(has_BA, logits_BAV.astype(jnp.int32), -1)
     return state, jnp.where(has_BA, greedy(logits_BAV).astype(jnp.int32), -1)
 
   @property

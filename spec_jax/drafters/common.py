@@ -217,7 +217,16 @@ def first_draft_scores(target_logits_BAV: jax.Array, draft_logits_BAV: jax.Array
   the prompt, whose next tokens are not samples of the target), [B, A]: greedy, bool,
   whether the draft's greedy token is the target's; sampled, float32, the exact acceptance
   probability sum_x min(p, q) of a draft from q (both warped as a round warps them; a
-  draft with non-finite logits scores 0, a miss)."""
+  draft with non-finite logits scores 0, a miss). draft_logits_BAV may instead be int
+  [B, A], a deterministic drafter's draft (q one-hot: p of it, sampled), -1 where it has
+  none (a miss)."""
+  if jnp.issubdtype(draft_logits_BAV.dtype, jnp.integer):
+    guess_BA = draft_logits_BAV
+    if sampling.is_greedy:
+      return (guess_BA == greedy(target_logits_BAV)) & (guess_BA >= 0)
+    p_BA = jnp.take_along_axis(warped_probs(target_logits_BAV, sampling),
+                               jnp.maximum(guess_BA, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(guess_BA >= 0, p_BA, 0.0).astype(jnp.float32)
   if sampling.is_greedy:
     return greedy(draft_logits_BAV) == greedy(target_logits_BAV)
   return acceptance_probability(warped_probs(target_logits_BAV, sampling),

@@ -140,6 +140,22 @@ class PromptLookupDrafter(Drafter):
                      gamma: int) -> PromptLookupState:
     return state
 
+  @property
+  def guesses_at_init(self) -> bool:
+    return True
+
+  def init_with_first_logits(self, params, prompt: PromptInfo, positions_BA: jax.Array):
+    """init, and lookup's first draft in a round whose pending token sat at each prompt
+    position, int [B, A] (deterministic: Drafter.init_with_first_logits), -1 where it finds
+    no match: a miss, as in its stretches' hindsight. A prompt whose tail repeats nothing
+    then starts the estimates low instead of drafting at the prior (on stories260K three or
+    four rounds, most with no match, cost ~5% of a 128-token run: docs/adaptive_log.md,
+    stop 68)."""
+    guess_BA, found_BA = first_guesses(prompt.tokens_BP, positions_BA, self.max_ngram,
+                                       self.min_ngram)
+    return (self.init(params, prompt), jnp.where(found_BA, guess_BA, -1).astype(jnp.int32),
+            jnp.ones_like(found_BA))
+
   def hindsight(self, ctx: DraftContext, width: int) -> tuple[jax.Array, jax.Array]:
     """lookup_hindsight at ctx with this drafter's n-gram range."""
     return lookup_hindsight(ctx.seq_BS, ctx.position_B, width, self.max_ngram, self.min_ngram)
@@ -163,8 +179,9 @@ class PromptLookupDrafter(Drafter):
                               rounds: int, gamma: int):
     """The state as it is, and whether a round started at each of the stretch's last
     min(rounds + 1, HINDSIGHT_WIDTH) positions would have accepted lookup's first draft: it
-    matched there and copied the token that followed (no match: a miss, as a verified
-    round counts a row with nothing to draft). The guess is deterministic, so in a sampled
+    matched there and copied the token that followed. No match is a miss: a round planned
+    there yields one token for a round's cost (a round counts such a row a miss beside rows
+    that verify; alone, it learns nothing and runs a plain step). The guess is deterministic, so in a sampled
     run whether the drawn token equals it is already an unbiased score of its acceptance
     p(guess) = sum_x min(p, one-hot)."""
     copied_BA, _ = self.hindsight(ctx, min(rounds + 1, HINDSIGHT_WIDTH))
