@@ -140,17 +140,18 @@ class AdaptiveRules:
   hindsight: in greedy runs (sampled ones: below) of a drafter that reports its greedy
     guesses at each catch-up
     (Drafter.has_hindsight: a draft model, a layer skip, a quantized target, an EAGLE or
-    Medusa chain, a DFlash or DSpark block (one block per position looked at), lookup + one
-    of those: each source its own record), plain stretches learn the estimates from them
-    (the last HINDSIGHT_WIDTH positions of each catch-up), as a verified round of drafts
-    would, and end when drafting pays: no probes. A stretch that found nothing counts as a
+    Medusa chain, a DFlash or DSpark block (one block per position looked at), prompt
+    lookup alone, lookup + one of those: each source its own record), plain stretches
+    learn the estimates from them (the last HINDSIGHT_WIDTH positions of each catch-up), as
+    a verified round of drafts would, and end when drafting pays: no probes. A stretch that found nothing counts as a
     probe that was not promising (the wait grows, and restarts from that look), so watching
     stops where probing would. The first look comes before the first round, at the
     prompt, where the drafter's prefill yields its first drafts' logits
     (Drafter.init_with_first_logits: a draft model, a layer skip, a quantized target,
     lookup + one of those, an EAGLE chain, whose prefill runs every prompt element on true
     features, a Medusa chain, at the positions whose token is the target's greedy one, a
-    DFlash or DSpark block, at positions after the first): its greedy first draft after
+    DFlash or DSpark block, at positions after the first; prompt lookup, its drafts, no
+    match a miss): its greedy first draft after
     each of the prompt's last 8 positions against the target's greedy token there
     (AdaptiveProgram.prompt_look; off with prompt_look=False).
     Measured side by side (stop 39, one table each; the last run with these rules): the
@@ -158,8 +159,8 @@ class AdaptiveRules:
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x
     against 0.93x / 0.90x. Sampled runs watch too where the drafter scores them
     (Drafter.has_sampled_hindsight: a draft model, a layer skip, a quantized target, a
-    Medusa or EAGLE chain, DFlash, DSpark, lookup + one of those) and no penalty or
-    min_new_tokens processes the logits: each position's score is min(1, q(y) / p(y)) for
+    Medusa or EAGLE chain, DFlash, DSpark, prompt lookup, lookup + one of those) and no
+    penalty or min_new_tokens processes the logits: each position's score is min(1, q(y) / p(y)) for
     the token y its plain step drew (drafters.SampledHindsight); at the prompt, whose
     tokens are not samples of the target but where both distributions are known, the
     exact acceptance sum_x min(p, q) (drafters.common.first_draft_scores). False: probes,

@@ -181,9 +181,9 @@ class PromptLookupDrafter(Drafter):
     min(rounds + 1, HINDSIGHT_WIDTH) positions would have accepted lookup's first draft: it
     matched there and copied the token that followed. No match is a miss: a round planned
     there yields one token for a round's cost (a round counts such a row a miss beside rows
-    that verify; alone, it learns nothing and runs a plain step). The guess is deterministic, so in a sampled
-    run whether the drawn token equals it is already an unbiased score of its acceptance
-    p(guess) = sum_x min(p, one-hot)."""
+    that verify; alone, it learns nothing and runs a plain step). The guess is
+    deterministic, so in a sampled run whether the drawn token equals it is already an
+    unbiased score of its acceptance p(guess) = sum_x min(p, one-hot)."""
     copied_BA, _ = self.hindsight(ctx, min(rounds + 1, HINDSIGHT_WIDTH))
     if ctx.sampled_hindsight is not None:
       copied_BA = copied_BA.astype(jnp.float32)
