@@ -143,9 +143,9 @@ class AdaptiveRules:
     Medusa chain, a DFlash or DSpark block (one block per position looked at), prompt
     lookup alone, lookup + one of those: each source its own record), plain stretches
     learn the estimates from them (the last HINDSIGHT_WIDTH positions of each catch-up), as
-    a verified round of drafts would, and end when drafting pays: no probes. A stretch that found nothing counts as a
-    probe that was not promising (the wait grows, and restarts from that look), so watching
-    stops where probing would. The first look comes before the first round, at the
+    a verified round of drafts would, and end when drafting pays: no probes. A stretch that
+    found nothing counts as a probe that was not promising (the wait grows, and restarts
+    from that look), so watching stops where probing would. The first look comes before the first round, at the
     prompt, where the drafter's prefill yields its first drafts' logits
     (Drafter.init_with_first_logits: a draft model, a layer skip, a quantized target,
     lookup + one of those, an EAGLE chain, whose prefill runs every prompt element on true
