@@ -286,6 +286,9 @@ def test_exact_acceptance_is_sum_of_min_p_q_at_each_draft():
   broken = np.asarray(exact_acceptance(drafts_BG, q_BGV, warped_probs(
       logits_BGV.at[1].set(jnp.nan), sampling)))
   assert (broken[1] == 0).all() and (broken[0] == got[0]).all()
+  broken_copy = np.asarray(exact_acceptance(drafts_BG, None, warped_probs(
+      logits_BGV.at[1].set(jnp.nan), sampling)))
+  assert (broken_copy[1] == 0).all() and (broken_copy[0] == copied[0]).all()
 
 
 @pytest.mark.parametrize("exact", [True, False])

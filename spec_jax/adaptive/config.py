@@ -145,15 +145,15 @@ class AdaptiveRules:
     learn the estimates from them (the last HINDSIGHT_WIDTH positions of each catch-up), as
     a verified round of drafts would, and end when drafting pays: no probes. A stretch that
     found nothing counts as a probe that was not promising (the wait grows, and restarts
-    from that look), so watching stops where probing would. The first look comes before the first round, at the
-    prompt, where the drafter's prefill yields its first drafts' logits
-    (Drafter.init_with_first_logits: a draft model, a layer skip, a quantized target,
-    lookup + one of those, an EAGLE chain, whose prefill runs every prompt element on true
-    features, a Medusa chain, at the positions whose token is the target's greedy one, a
-    DFlash or DSpark block, at positions after the first; prompt lookup, its drafts, no
-    match a miss): its greedy first draft after
-    each of the prompt's last 8 positions against the target's greedy token there
-    (AdaptiveProgram.prompt_look; off with prompt_look=False).
+    from that look), so watching stops where probing would. The first look comes before
+    the first round, at the prompt, where the drafter's prefill yields its first drafts'
+    logits (Drafter.init_with_first_logits: a draft model, a layer skip, a quantized
+    target, lookup + one of those, an EAGLE chain, whose prefill runs every prompt element
+    on true features, a Medusa chain, at the positions whose token is the target's greedy
+    one, a DFlash or DSpark block, at positions after the first; prompt lookup, its
+    drafts, no match a miss): its greedy first draft after each of the prompt's last 8
+    positions against the target's greedy token there (AdaptiveProgram.prompt_look; off
+    with prompt_look=False).
     Measured side by side (stop 39, one table each; the last run with these rules): the
     built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x

@@ -21,7 +21,8 @@ from spec_jax.adaptive.planning import (_TO_THE_END, AdmitInputs, RoundPlan, cho
                                         verify_admitted, width_index, wilson_upper)
 from spec_jax.core.control import cond_in_place, switch_in_place
 from spec_jax.core.sampling import (SamplingConfig, acceptance_probability, nonfinite_rows,
-                                    process_logits, sample, split_unless_greedy, warped_probs)
+                                    process_logits, sample, split_unless_greedy,
+                                    token_acceptance, warped_probs)
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, Drafter, SampledHindsight
 from spec_jax.generate import decode_token, finite_prefix, remaining_tokens, write_tokens
 from spec_jax.metrics import AdaptiveStats
@@ -901,7 +902,7 @@ def exact_acceptance(drafts_BG, probs_BGV, p_BGV) -> jax.Array:
   drafter's, p(draft)); 0 where either is not finite (a miss, as such a row's round counts
   it)."""
   if probs_BGV is None:
-    probs_BGV = jax.nn.one_hot(drafts_BG, p_BGV.shape[-1], dtype=p_BGV.dtype)
+    return token_acceptance(p_BGV, drafts_BG)
   return acceptance_probability(p_BGV, probs_BGV)
 
 

@@ -272,6 +272,15 @@ def acceptance_probability(p_NV: jax.Array, q_NV: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(accept_N), 0.0, jnp.clip(accept_N, 0.0, 1.0))
 
 
+def token_acceptance(p_NV: jax.Array, tokens_N: jax.Array) -> jax.Array:
+  """[N]: acceptance_probability for a deterministic draft (q one-hot at tokens_N): p of
+  the token, read without building the one-hot; 0 where p is not finite, or where the
+  token is negative (no draft: a miss)."""
+  p_N = jnp.take_along_axis(p_NV, jnp.maximum(tokens_N, 0)[..., None], axis=-1)[..., 0]
+  broken_N = jnp.any(jnp.isnan(p_NV), axis=-1)  # (as the sum over the row would be)
+  return jnp.where((tokens_N >= 0) & ~broken_N, jnp.clip(p_N, 0.0, 1.0), 0.0)
+
+
 # --- random draws, one key per row ---------------------------------------------------------------
 #
 # Every draw of the loops, verifiers and drafters goes through these: row b uses

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.core.sampling import (SamplingConfig, TokenHistory, acceptance_probability,
-                                    greedy, process_logits, sample, warp_logits, warped_probs)
+                                    greedy, process_logits, sample, token_acceptance,
+                                    warp_logits, warped_probs)
 from spec_jax.drafters.base import HINDSIGHT_WIDTH, DraftContext, PromptInfo, RoundOutcome
 from spec_jax.generate import at_positions, last_position
 
@@ -222,11 +223,10 @@ def first_draft_scores(target_logits_BAV: jax.Array, draft_logits_BAV: jax.Array
   none (a miss)."""
   if jnp.issubdtype(draft_logits_BAV.dtype, jnp.integer):
     guess_BA = draft_logits_BAV
-    if sampling.is_greedy:
-      return (guess_BA == greedy(target_logits_BAV)) & (guess_BA >= 0)
-    p_BA = jnp.take_along_axis(warped_probs(target_logits_BAV, sampling),
-                               jnp.maximum(guess_BA, 0)[..., None], axis=-1)[..., 0]
-    return jnp.where(guess_BA >= 0, p_BA, 0.0).astype(jnp.float32)
+    if sampling.is_greedy:  # (-1, no draft, never equals a greedy token)
+      return guess_BA == greedy(target_logits_BAV)
+    return token_acceptance(warped_probs(target_logits_BAV, sampling),
+                            guess_BA).astype(jnp.float32)
   if sampling.is_greedy:
     return greedy(draft_logits_BAV) == greedy(target_logits_BAV)
   return acceptance_probability(warped_probs(target_logits_BAV, sampling),
