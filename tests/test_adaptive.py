@@ -1034,6 +1034,38 @@ def test_lookups_look_at_the_prompt_counts_no_match_as_a_miss(stories, story_pro
   assert float(stats.estimate_BG[0, 0]) < 0.2  # (the prior 0.7, after 5 misses 0.12)
 
 
+@pytest.mark.parametrize("kind", ["prompt_lookup", "draft_model"])
+def test_a_look_that_finds_nothing_stands_for_a_check(stories, story_prompts, reference_tokens,
+                                                      kind):
+  """A look at the prompt after which the first round would not draft stands for a check
+  in hindsight that found nothing: the wait before the first check grows (probe_growth), as
+  after a watched stretch that found nothing, instead of a check probe_every steps in that
+  would see what the look saw. A look after which the first round drafts keeps the wait."""
+  model, params = stories
+  drafter = DraftModelDrafter(model)
+  if kind == "prompt_lookup":  # a story repeats nothing; a passage given three times does
+    drafter, _ = make_drafter(kind, model, params)
+    cases = {"nothing": (story_prompts[:2], None),
+             "pays": ([[1] + reference_tokens[131:141] * 3], None)}
+  else:  # a random draft model guesses nothing; the target as its own draft, everything
+    cases = {"nothing": (story_prompts[:2], perturbed(params, 3.0, seed=7)),
+             "pays": (story_prompts[:2], params)}
+  # (lookup's drafting is free and its verification cheap; give_up off: a hopeless look
+  # waits its longest)
+  costs = (dict(target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.0)
+           if kind == "prompt_lookup" else dict(target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
+                                                 draft_cost=1.0))
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), **costs,
+                       rules=AdaptiveRules(give_up=0.0, probe_share=0.0))
+  for case, (rows, draft_params) in cases.items():
+    program, args = prepare_program(model, drafter, *pad_prompts(rows, width=32), gamma=cfg,
+                                    max_new_tokens=64)
+    stats = _prompt_look(program, params, draft_params, args)
+    assert int(jnp.min(stats.first_seen_B)) > 0  # it looked
+    grown = cfg.rules.probe_growth * program.probe_every
+    assert int(stats.probe_interval) == (grown if case == "nothing" else program.probe_every)
+
+
 def test_a_combinations_look_at_the_prompt_is_the_models(stories, story_prompts,
                                                         reference_tokens):
   """Lookup + a draft model: the prompt's guesses are the model's at every position,

@@ -396,11 +396,18 @@ class AdaptiveRound:
     run whose look finds drafting hopeless (give_up) waits its longest before the first
     check: a useless draft then runs generate's loop from its first token, without the
     check after probe_every steps, its catch-up and the rounds around it (a random draft
-    model of stories260K paid ~6% of a 128-token run for them). Prompt and target only:
-    lossless."""
+    model of stories260K paid ~6% of a 128-token run for them). A look after which the
+    first round would not draft stands, as a watched stretch that found nothing does, for
+    a check that was not promising (after_watched_stretch): the wait before the first
+    check grows, unless the record says drafting pays (a drafter with sources, whose rows
+    plan from two records, keeps its first wait). Prompt and target only: lossless."""
     stats = stats.learn_hindsight(agree_BA, valid_BA, self.config.rules.learning_rate,
                                   later=drafter.hindsight_speaks_for_later_drafts)
-    return self.give_up_if_hopeless(stats, jnp.any(valid_BA), remaining_B, probe_every)
+    looked = jnp.any(valid_BA)
+    if drafter.has_sources:
+      return self.give_up_if_hopeless(stats, looked, remaining_B, probe_every)
+    found_nothing = looked & ~self.watch_pays(self.floored(stats, drafter), remaining_B)
+    return self.after_watched_stretch(stats, found_nothing, remaining_B, probe_every)
 
   def never_drafts(self, stats: AdaptiveStats, remaining_B,
                    probe_every: int | None = None) -> jax.Array:
