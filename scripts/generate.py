@@ -254,6 +254,9 @@ def main(argv=None) -> int:
     m = summarize(out.metrics)
     report.update({k: m[k] for k in ("mean_accepted", "mean_accepted_with_bonus",
                                       "acceptance_rate", "rounds", "target_calls")})
+    if "adaptive" in m:  # --gamma auto: what its rounds chose, and what they learned
+      report["adaptive"] = {k: m["adaptive"][k] for k in (
+          "width_rounds", "admitted_hist", "undrafted_rounds", "acceptance_estimate")}
   if "autoregressive" in timings:
     ar, ar_s = timings["autoregressive"]
     report["autoregressive_tokens_per_s"] = int(np.asarray(ar.num_tokens).sum()) / ar_s
@@ -275,6 +278,12 @@ def main(argv=None) -> int:
     print(f"{shape}: mean accepted {report['mean_accepted']:.2f} drafts/round "
           f"({report['mean_accepted_with_bonus']:.2f} tokens/round with the bonus), "
           f"acceptance rate {report['acceptance_rate']:.2%}, {report['target_calls']} target passes")
+  if "adaptive" in report:
+    a = report["adaptive"]
+    widths = ", ".join(f"{w}: {n}" for w, n in a["width_rounds"].items())
+    print(f"auto: rounds per verified width {{{widths}}} ({a['undrafted_rounds']} plain); "
+          f"admitted drafts per row-round {a['admitted_hist']}; acceptance estimates "
+          f"{[round(e, 2) for e in a['acceptance_estimate']]}")
   if "speedup" in report:
     if report["identical_to_autoregressive"]:
       same = "identical"

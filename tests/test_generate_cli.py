@@ -55,6 +55,30 @@ def test_a_sampled_compare_does_not_call_different_draws_an_error():
   assert "identical" in last or "different draws (sampled" in last
 
 
+def test_gamma_auto_reports_what_its_rounds_chose(tmp_path):
+  """--gamma auto (adaptive speculation) through the CLI: greedy output identical to
+  autoregressive decoding, and the report holds what the rounds chose (rounds per verified
+  width, admitted lengths) and the acceptance estimates they learned, in JSON and in text."""
+  model = str(require_shared(STORIES_DIR / "stories260K.bin"))
+  args = ("Once upon a time", "--model", model, "--draft", "prompt_lookup", "--gamma", "auto",
+          "--max-new-tokens", "40", "--compare", "--compile-cache", str(tmp_path / "xla"))
+  proc = run_cli(*args, "--json")
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads(proc.stdout)
+  assert report["gamma"] == "auto" and report["identical_to_autoregressive"] is True
+  auto = report["adaptive"]
+  assert sum(auto["width_rounds"].values()) == report["rounds"]
+  assert sum(auto["admitted_hist"]) == report["rounds"]  # one row
+  assert auto["undrafted_rounds"] == auto["width_rounds"]["1"] <= report["rounds"]
+  assert len(auto["acceptance_estimate"]) == 8  # gamma_max
+  assert all(0.0 <= e <= 1.0 for e in auto["acceptance_estimate"])
+  text = run_cli(*args)  # (its programs come from the first run's compile cache)
+  assert text.returncode == 0, text.stderr
+  line, = [ln for ln in text.stdout.splitlines() if ln.startswith("auto: ")]
+  assert f"({auto['undrafted_rounds']} plain)" in line and "acceptance estimates" in line
+  assert text.stdout.rstrip().endswith("outputs identical")
+
+
 def test_bad_flags_fail_clearly():
   model = str(require_shared(STORIES_DIR / "stories260K.bin"))
   proc = run_cli("hi", "--model", model, "--gamma", "0")
