@@ -1037,19 +1037,23 @@ def test_lookups_look_at_the_prompt_counts_no_match_as_a_miss(stories, story_pro
 @pytest.mark.parametrize("kind", ["prompt_lookup", "draft_model"])
 def test_a_look_that_finds_nothing_stands_for_a_check(stories, story_prompts, reference_tokens,
                                                       kind):
-  """A look at the prompt after which the first round would not draft stands for a check
-  in hindsight that found nothing: the wait before the first check grows (probe_growth), as
-  after a watched stretch that found nothing, instead of a check probe_every steps in that
-  would see what the look saw. A look after which the first round drafts keeps the wait."""
+  """A look at the prompt whose drafts agreed nowhere, after which the first round would not
+  draft, stands for a check in hindsight that found nothing: the wait before the first check
+  grows (probe_growth), as after a watched stretch that found nothing, instead of a check
+  probe_every steps in that would see what the look saw. A look after which the first round
+  drafts keeps the wait, and so does one that agreed somewhere without paying (the prompt is
+  the user's text, where a draft agrees less than on the target's answer)."""
   model, params = stories
   drafter = DraftModelDrafter(model)
   if kind == "prompt_lookup":  # a story repeats nothing; a passage given three times does
     drafter, _ = make_drafter(kind, model, params)
     cases = {"nothing": (story_prompts[:2], None),
              "pays": ([[1] + reference_tokens[131:141] * 3], None)}
-  else:  # a random draft model guesses nothing; the target as its own draft, everything
+  else:  # a random draft model guesses nothing; the target as its own draft, everything; a
+    # lightly perturbed target some of it, too little to pay for a draft at these costs
     cases = {"nothing": (story_prompts[:2], perturbed(params, 3.0, seed=7)),
-             "pays": (story_prompts[:2], params)}
+             "pays": (story_prompts[:2], params),
+             "agrees": (story_prompts[:2], perturbed(params, 0.3, seed=7))}
   # (lookup's drafting is free and its verification cheap; give_up off: a hopeless look
   # waits its longest)
   costs = (dict(target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.0)
@@ -1062,6 +1066,10 @@ def test_a_look_that_finds_nothing_stands_for_a_check(stories, story_prompts, re
                                     max_new_tokens=64)
     stats = _prompt_look(program, params, draft_params, args)
     assert int(jnp.min(stats.first_seen_B)) > 0  # it looked
+    if case == "agrees":  # (what makes the case: some agreement, and no round that pays)
+      round_fn, remaining_B = program.round_fn, jnp.asarray(args[2]) - 1
+      assert float(jnp.sum(stats.first_accepted_B)) > 0
+      assert not bool(round_fn.watch_pays(round_fn.floored(stats, drafter), remaining_B))
     grown = cfg.rules.probe_growth * program.probe_every
     assert int(stats.probe_interval) == (grown if case == "nothing" else program.probe_every)
 

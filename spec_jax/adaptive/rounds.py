@@ -349,14 +349,20 @@ class AdaptiveRound:
     before the next check grows (probe_growth), unless the rows' whole records say drafting
     pays (record_pays, with AdaptiveRules.record_holds_wait: acceptance comes in runs, and
     a dip is not a useless draft); and it gives up where the records are hopeless."""
+    stats = self.wait_grows(stats, found_nothing, remaining_B, probe_every)
+    return self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
+
+  def wait_grows(self, stats: AdaptiveStats, found_nothing, remaining_B,
+                 probe_every: int) -> AdaptiveStats:
+    """stats with the wait before the next check grown (probe_growth) where found_nothing,
+    unless the records say drafting pays (after_watched_stretch)."""
     rules = self.config.rules
     grows = found_nothing
     if rules.record_holds_wait:  # (the plan runs only after a stretch that found nothing)
       grows = jax.lax.cond(found_nothing, lambda: ~self.record_pays(stats, remaining_B),
                            lambda: jnp.bool_(False))
     grown = stats.grown_probe_interval(rules.probe_growth, probe_every)
-    stats = stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
-    return self.give_up_if_hopeless(stats, found_nothing, remaining_B, probe_every)
+    return stats.replace(probe_interval=jnp.where(grows, grown, stats.probe_interval))
 
   def floored(self, stats: AdaptiveStats, drafter: Drafter, rows_B=None) -> AdaptiveStats:
     """stats as the plan reads them: with AdaptiveRules.record_floor, for a drafter whose
@@ -400,14 +406,22 @@ class AdaptiveRound:
     first round would not draft stands, as a watched stretch that found nothing does, for
     a check that was not promising (after_watched_stretch): the wait before the first
     check grows, unless the record says drafting pays (a drafter with sources, whose rows
-    plan from two records, keeps its first wait). Prompt and target only: lossless."""
+    plan from two records, keeps its first wait). That holds only for a look whose drafts
+    agreed nowhere: the prompt is the user's text, not the target's, and a draft model
+    agrees less there than on the target's answer (built-in pair, a code prompt: 2 of 7
+    positions, then 10 of the 16 its first two checks saw), so a look that agreed somewhere
+    but did not pay is not a check that found nothing, and the first check comes after
+    probe_every steps (growing the wait there cost the built-in draft model all drafting on
+    two of six prompts: docs/adaptive_log.md, stop 70). Prompt and target only: lossless."""
     stats = stats.learn_hindsight(agree_BA, valid_BA, self.config.rules.learning_rate,
                                   later=drafter.hindsight_speaks_for_later_drafts)
     looked = jnp.any(valid_BA)
-    if drafter.has_sources:
-      return self.give_up_if_hopeless(stats, looked, remaining_B, probe_every)
-    found_nothing = looked & ~self.watch_pays(self.floored(stats, drafter), remaining_B)
-    return self.after_watched_stretch(stats, found_nothing, remaining_B, probe_every)
+    if not drafter.has_sources:
+      agreed = jnp.any(valid_BA & (agree_BA > 0))  # (sampled: a score, 0 where no draft)
+      found_nothing = (looked & ~agreed
+                       & ~self.watch_pays(self.floored(stats, drafter), remaining_B))
+      stats = self.wait_grows(stats, found_nothing, remaining_B, probe_every)
+    return self.give_up_if_hopeless(stats, looked, remaining_B, probe_every)
 
   def never_drafts(self, stats: AdaptiveStats, remaining_B,
                    probe_every: int | None = None) -> jax.Array:
