@@ -153,9 +153,10 @@ class AdaptiveRules:
     one, a DFlash or DSpark block, at positions after the first; prompt lookup, its
     drafts, no match a miss): its greedy first draft after each of the prompt's last 8
     positions against the target's greedy token there (AdaptiveProgram.prompt_look; off
-    with prompt_look=False). A look after which the first round would not draft counts,
-    as such a stretch does, as a check that found nothing (since stop 69; not for a
-    drafter with sources): the first check comes probe_growth times later.
+    with prompt_look=False). A look whose drafts agreed nowhere and after which the first
+    round would not draft counts, as such a stretch does, as a check that found nothing
+    (since stop 69; stop 70: not where they agreed somewhere, as the prompt is the user's
+    text; not for a drafter with sources): the first check comes probe_growth times later.
     Measured side by side (stop 39, one table each; the last run with these rules): the
     built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x
