@@ -910,6 +910,29 @@ def test_catch_up_leaves_the_exact_cache_entries_propose_leaves(tiny_target, kin
                                  np.asarray(a)[:, b][..., slot < length], rtol=1e-5, atol=1e-6)
 
 
+def test_a_medusa_tree_with_auto_is_greedy_identical(stories, story_reference, trained):
+  """gamma="auto" with a trained Medusa tree (a static tree of its heads' top choices): rounds
+  choose a node budget (the tree cut to its first nodes) or plain steps, both happen, and
+  the output is identical to autoregressive decoding."""
+  from spec_jax.adaptive import AdaptiveConfig, tree_widths
+  from spec_jax.engine import speculate
+  model, params = stories
+  prompts, reference = story_reference
+  spec, _, own = trained("medusa")
+  drafter = TREES["medusa"](spec.model)
+  widths = tree_widths(drafter.num_nodes)
+  out = speculate(model, params, drafter, spec.draft_params(own, model, params), *prompts,
+                  gamma=AdaptiveConfig(widths=widths, target_costs=(1.0, 2.0, 2.1, 2.3, 2.5),
+                                       draft_cost=0.2),
+                  max_new_tokens=NEW, eos_id=1)
+  assert np.array_equal(out.tokens, reference.tokens)
+  assert np.array_equal(out.num_tokens, reference.num_tokens)
+  m = summarize(out.metrics)
+  rounds = m["adaptive"]["width_rounds"]
+  assert rounds[1] > 0 and sum(rounds.values()) > rounds[1], rounds
+  assert sum(rounds.values()) == m["rounds"] and m["mean_accepted"] > 0
+
+
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
 def test_trees_with_auto_are_greedy_identical(stories, story_reference, trained, kind):
   """gamma="auto" with a trained EAGLE or MTP tree: rounds choose a node budget or plain
