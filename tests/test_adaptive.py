@@ -1089,6 +1089,38 @@ def test_a_look_that_finds_nothing_stands_for_a_check(stories, story_prompts, re
     assert int(stats.probe_interval) == (grown if case == "nothing" else program.probe_every)
 
 
+def test_a_sampled_look_stands_for_a_check_only_where_it_expected_nothing(stories, story_prompts):
+  """Sampled, a look scores each position by the acceptance of its first draft there, and it
+  agreed somewhere where a row's scores sum to one expected acceptance: lookup's score is 0
+  where it has no match and a random draft model's sum_x min(p, q) tiny, so on story
+  prompts their looks stand for a check that found nothing and the wait grows; a lightly
+  perturbed target's look expects a few accepted drafts without paying and keeps it."""
+  model, params = stories
+  lookup, _ = make_drafter("prompt_lookup", model, params)
+  free = dict(target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.0)
+  dear = dict(target_costs=(1.0, 2.0, 2.2, 2.6, 3.4), draft_cost=1.0)
+  cases = {"nothing": (lookup, None, free),
+           "tiny": (DraftModelDrafter(model), perturbed(params, 3.0, seed=7), dear),
+           "agrees": (DraftModelDrafter(model), perturbed(params, 0.3, seed=7), dear)}
+  for case, (drafter, draft_params, costs) in cases.items():
+    cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), **costs,
+                         rules=AdaptiveRules(give_up=0.0, probe_share=0.0))
+    program, args = prepare_program(model, drafter, *pad_prompts(story_prompts[:2], width=32),
+                                    gamma=cfg, max_new_tokens=64, sampling=SamplingConfig(0.8),
+                                    key=jax.random.key(0))
+    stats = _prompt_look(program, params, draft_params, args)
+    assert int(jnp.min(stats.first_seen_B)) > 0  # it looked
+    expected = float(jnp.max(stats.first_accepted_B))  # a row's expected acceptances
+    round_fn, remaining_B = program.round_fn, jnp.asarray(args[2]) - 1
+    assert not bool(round_fn.watch_pays(round_fn.floored(stats, drafter), remaining_B))
+    grown = cfg.rules.probe_growth * program.probe_every
+    assert (expected == 0) == (case == "nothing"), expected
+    if case == "agrees":
+      assert expected >= 1 and int(stats.probe_interval) == program.probe_every
+    else:
+      assert expected < 1 and int(stats.probe_interval) == grown
+
+
 def test_a_combinations_look_at_the_prompt_is_the_models(stories, story_prompts,
                                                         reference_tokens):
   """Lookup + a draft model: the prompt's guesses are the model's at every position,

@@ -155,8 +155,10 @@ class AdaptiveRules:
     positions against the target's greedy token there (AdaptiveProgram.prompt_look; off
     with prompt_look=False). A look whose drafts agreed nowhere and after which the first
     round would not draft counts, as such a stretch does, as a check that found nothing
-    (since stop 69; stop 70: not where they agreed somewhere, as the prompt is the user's
-    text; not for a drafter with sources): the first check comes probe_growth times later.
+    (since stop 69; since stop 70 only where no row's look expects one accepted draft: no
+    agreement, or sampled scores summing below 1, as the prompt is the user's text, where
+    a draft agrees less than on the target's answer; not for a drafter with sources): the
+    first check comes probe_growth times later.
     Measured side by side (stop 39, one table each; the last run with these rules): the
     built-in pair's 6 code prompts 1.48x / 1.29x / 1.41x against probes' 1.46x / 1.27x /
     1.37x (gamma 4 1.43x / 1.29x / 1.42x); stories260K's useless drafts 0.94x / 0.90x

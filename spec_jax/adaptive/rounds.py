@@ -412,12 +412,17 @@ class AdaptiveRound:
     positions, then 10 of the 16 its first two checks saw), so a look that agreed somewhere
     but did not pay is not a check that found nothing, and the first check comes after
     probe_every steps (growing the wait there cost the built-in draft model all drafting on
-    two of six prompts: docs/adaptive_log.md, stop 70). Prompt and target only: lossless."""
+    two of six prompts: docs/adaptive_log.md, stop 70). Sampled, each position's score is
+    an acceptance probability, and a look agreed somewhere where a row's scores sum to at
+    least one expected acceptance (lookup's score is 0 where it has no match, a random
+    draft model's ~1e-5 a position). Prompt and target only: lossless."""
     stats = stats.learn_hindsight(agree_BA, valid_BA, self.config.rules.learning_rate,
                                   later=drafter.hindsight_speaks_for_later_drafts)
     looked = jnp.any(valid_BA)
     if not drafter.has_sources:
-      agreed = jnp.any(valid_BA & (agree_BA > 0))  # (sampled: a score, 0 where no draft)
+      # agreed somewhere: some row's look expects at least one accepted first draft (greedy:
+      # one agreement; sampled: scores summing to 1, as a useless draft's 1e-5 do not)
+      agreed = jnp.any(jnp.sum(jnp.where(valid_BA, agree_BA, 0), axis=1) >= 1)
       found_nothing = (looked & ~agreed
                        & ~self.watch_pays(self.floored(stats, drafter), remaining_B))
       stats = self.wait_grows(stats, found_nothing, remaining_B, probe_every)
