@@ -1049,6 +1049,25 @@ def test_lookups_look_at_the_prompt_counts_no_match_as_a_miss(stories, story_pro
   assert float(stats.estimate_BG[0, 0]) < 0.2  # (the prior 0.7, after 5 misses 0.12)
 
 
+# what a look at the prompt is weighed against: lookup's drafting is free and its verification
+# cheap, a draft model's dear
+LOOK_COSTS = {"free": dict(target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.0),
+              "dear": dict(target_costs=(1.0, 2.0, 2.2, 2.6, 3.4), draft_cost=1.0)}
+
+
+def _look_at(model, params, drafter, draft_params, rows, costs, **settings):
+  """-> (program, the statistics after its look at the rows' prompts, whether its first round
+  would draft then), for a 64-token run (give_up off: a hopeless look waits its longest)."""
+  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), **costs,
+                       rules=AdaptiveRules(give_up=0.0, probe_share=0.0))
+  program, args = prepare_program(model, drafter, *pad_prompts(rows, width=32), gamma=cfg,
+                                  max_new_tokens=64, **settings)
+  stats = _prompt_look(program, params, draft_params, args)
+  assert int(jnp.min(stats.first_seen_B)) > 0  # it looked
+  round_fn, remaining_B = program.round_fn, jnp.asarray(args[2]) - 1
+  return program, stats, bool(round_fn.watch_pays(round_fn.floored(stats, drafter), remaining_B))
+
+
 @pytest.mark.parametrize("kind", ["prompt_lookup", "draft_model"])
 def test_a_look_that_finds_nothing_stands_for_a_check(stories, story_prompts, reference_tokens,
                                                       kind):
@@ -1069,23 +1088,12 @@ def test_a_look_that_finds_nothing_stands_for_a_check(stories, story_prompts, re
     cases = {"nothing": (story_prompts[:2], perturbed(params, 3.0, seed=7)),
              "pays": (story_prompts[:2], params),
              "agrees": (story_prompts[:2], perturbed(params, 0.3, seed=7))}
-  # (lookup's drafting is free and its verification cheap; give_up off: a hopeless look
-  # waits its longest)
-  costs = (dict(target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.0)
-           if kind == "prompt_lookup" else dict(target_costs=(1.0, 2.0, 2.2, 2.6, 3.4),
-                                                 draft_cost=1.0))
-  cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), **costs,
-                       rules=AdaptiveRules(give_up=0.0, probe_share=0.0))
+  costs = LOOK_COSTS["free" if kind == "prompt_lookup" else "dear"]
   for case, (rows, draft_params) in cases.items():
-    program, args = prepare_program(model, drafter, *pad_prompts(rows, width=32), gamma=cfg,
-                                    max_new_tokens=64)
-    stats = _prompt_look(program, params, draft_params, args)
-    assert int(jnp.min(stats.first_seen_B)) > 0  # it looked
+    program, stats, pays = _look_at(model, params, drafter, draft_params, rows, costs)
     if case == "agrees":  # (what makes the case: some agreement, and no round that pays)
-      round_fn, remaining_B = program.round_fn, jnp.asarray(args[2]) - 1
-      assert float(jnp.sum(stats.first_accepted_B)) > 0
-      assert not bool(round_fn.watch_pays(round_fn.floored(stats, drafter), remaining_B))
-    grown = cfg.rules.probe_growth * program.probe_every
+      assert float(jnp.sum(stats.first_accepted_B)) > 0 and not pays
+    grown = program.adaptive.rules.probe_growth * program.probe_every
     assert int(stats.probe_interval) == (grown if case == "nothing" else program.probe_every)
 
 
@@ -1097,23 +1105,16 @@ def test_a_sampled_look_stands_for_a_check_only_where_it_expected_nothing(storie
   perturbed target's look expects a few accepted drafts without paying and keeps it."""
   model, params = stories
   lookup, _ = make_drafter("prompt_lookup", model, params)
-  free = dict(target_costs=(1.0, 1.3, 1.5, 1.8, 2.0), draft_cost=0.0)
-  dear = dict(target_costs=(1.0, 2.0, 2.2, 2.6, 3.4), draft_cost=1.0)
-  cases = {"nothing": (lookup, None, free),
-           "tiny": (DraftModelDrafter(model), perturbed(params, 3.0, seed=7), dear),
-           "agrees": (DraftModelDrafter(model), perturbed(params, 0.3, seed=7), dear)}
+  cases = {"nothing": (lookup, None, LOOK_COSTS["free"]),
+           "tiny": (DraftModelDrafter(model), perturbed(params, 3.0, seed=7), LOOK_COSTS["dear"]),
+           "agrees": (DraftModelDrafter(model), perturbed(params, 0.3, seed=7),
+                      LOOK_COSTS["dear"])}
   for case, (drafter, draft_params, costs) in cases.items():
-    cfg = AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), **costs,
-                         rules=AdaptiveRules(give_up=0.0, probe_share=0.0))
-    program, args = prepare_program(model, drafter, *pad_prompts(story_prompts[:2], width=32),
-                                    gamma=cfg, max_new_tokens=64, sampling=SamplingConfig(0.8),
-                                    key=jax.random.key(0))
-    stats = _prompt_look(program, params, draft_params, args)
-    assert int(jnp.min(stats.first_seen_B)) > 0  # it looked
+    program, stats, pays = _look_at(model, params, drafter, draft_params, story_prompts[:2],
+                                    costs, sampling=SamplingConfig(0.8), key=jax.random.key(0))
     expected = float(jnp.max(stats.first_accepted_B))  # a row's expected acceptances
-    round_fn, remaining_B = program.round_fn, jnp.asarray(args[2]) - 1
-    assert not bool(round_fn.watch_pays(round_fn.floored(stats, drafter), remaining_B))
-    grown = cfg.rules.probe_growth * program.probe_every
+    assert not pays
+    grown = program.adaptive.rules.probe_growth * program.probe_every
     assert (expected == 0) == (case == "nothing"), expected
     if case == "agrees":
       assert expected >= 1 and int(stats.probe_interval) == program.probe_every
