@@ -237,6 +237,9 @@ def test_a_resync_feeds_only_the_slots_its_cache_lacks(stories, reference_tokens
   seq = np.asarray(reference_tokens[:position + 9], np.int32)
   sampled = SamplingConfig(temperature=1.0)
   key = jax.random.key(5)
+  # compiled once for every case below (op by op, the cases took ~50 s)
+  propose = jax.jit(resync.propose, static_argnums=(3, 4))
+  init = jax.jit(resync.init)
   for lacking in ([1, 1], [2, 1], [3, 2], [gamma + 1, 3], [gamma + 2, 2]):  # missing, per row
     rows = len(lacking)
     seq_BS = jnp.asarray(np.pad(np.tile(seq, (rows, 1)), ((0, 0), (0, 32))))
@@ -245,15 +248,14 @@ def test_a_resync_feeds_only_the_slots_its_cache_lacks(stories, reference_tokens
     ctx = DraftContext(seq_BS, position_B, seq_BS[:, position])
     valid_B = position_B + 1 - jnp.asarray(lacking, jnp.int32)
     other_BS = jnp.where(jnp.arange(seq_BS.shape[1])[None] < valid_B[:, None], seq_BS, 7)
-    prefilled = resync.init(draft_params, PromptInfo(other_BS, valid_B, seq_BS.shape[1]))
+    prefilled = init(draft_params, PromptInfo(other_BS, valid_B, seq_BS.shape[1]))
     outs = {}
     for name, missing in (("lacking", lacking), ("claims one", [m - 1 for m in lacking])):
       claimed_B = position_B + 1 - jnp.asarray(missing, jnp.int32)
       state = DraftModelState(prefilled.cache.with_length(claimed_B))
-      tokens_BG, probs_BGV, after = resync.propose(draft_params, state, ctx, gamma, sampled, key)
+      tokens_BG, probs_BGV, after = propose(draft_params, state, ctx, gamma, sampled, key)
       outs[name] = tokens_BG, probs_BGV, after.cache
-    ref = resync.propose(draft_params, resync.init(draft_params, caught_up), ctx, gamma,
-                         sampled, key)
+    ref = propose(draft_params, init(draft_params, caught_up), ctx, gamma, sampled, key)
     got = outs["lacking"]
     np.testing.assert_array_equal(got[0], ref[0], err_msg=f"lacking {lacking}")
     np.testing.assert_allclose(got[1], ref[1], atol=1e-5, err_msg=f"lacking {lacking}")
