@@ -81,6 +81,8 @@ def test_gamma_auto_reports_what_its_rounds_chose(tmp_path):
   assert re.fullmatch(r"auto: rounds per verified width \{1: \d+(, \d+: \d+)+\} \(\d+ plain\); "
                       r"admitted drafts per row-round \[[\d, ]+\]; acceptance estimates "
                       r"\[[\d., ]+\]", line), line
+  # the same table, so the same rounds: the text reports what the JSON did
+  assert f"({auto['undrafted_rounds']} plain)" in line, line
   assert text.stdout.rstrip().endswith("outputs identical")
 
 
