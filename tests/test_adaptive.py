@@ -566,7 +566,8 @@ def test_the_table_is_timed_in_the_executable_that_runs(stories, story_prompts, 
   real = speculative.speculative_jit
 
   def recording(program, *a, **k):
-    calls.append((a[-1].force.item() if a[-1] is not None else None, tuple(a[4]), tuple(a[5])))
+    calls.append((a[-1].force.item() if a[-1] is not None else None, tuple(a[4]), tuple(a[5]),
+                  tuple(np.ravel(jax.random.key_data(a[7])))))
     return real(program, *a, **k)
 
   monkeypatch.setattr(speculative, "speculative_jit", recording)
@@ -578,6 +579,9 @@ def test_the_table_is_timed_in_the_executable_that_runs(stories, story_prompts, 
   assert {c[0] for c in calls} == {0, 1, 2, 4, 8}
   assert {c[1] for c in calls} == {(b, b) for b in budgets}
   assert {c[2] for c in calls} == {(adaptive.in_program.NO_EOS,)}  # no EOS
+  # the timed runs draw from a key of their own, not the one the generation then draws from
+  timed_keys = {c[3] for c in calls}
+  assert len(timed_keys) == 1 and tuple(np.ravel(jax.random.key_data(args[-1]))) not in timed_keys
   table = adaptive.run_costs(program, args[0].shape)
   target_W = np.asarray(table.target_W)
   assert np.all(np.isfinite(target_W)) and np.all(target_W > 0)

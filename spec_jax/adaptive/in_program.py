@@ -30,6 +30,11 @@ IN_PROGRAM_REPEATS = 7  # the most repeats (the fastest of them is kept), and th
 MAX_BUDGET = 64
 MIN_TOKENS = 8
 MIN_ROUNDS = 2  # fewer rounds between the two budgets than this: the width keeps its old cost
+# The timed runs draw from a stream of their own (fold_in of the caller's key): the table
+# they give steers which drafts the generation that follows admits, and admission must not
+# depend on that generation's own coins and drafts, which the same key would reproduce
+# round by round in the timed runs (their round counts go into the table).
+TIMING_STREAM = 0x7A11ED
 
 _MEASURED: dict = {}
 
@@ -83,12 +88,13 @@ def measure_in_program(program, params, draft_params, args, signatures=None,
     return table
   passed = passed_draft_params(params, draft_params)
   no_eos_E = np.full_like(eos_E, NO_EOS)
+  timing_key = jax.random.fold_in(key, TIMING_STREAM)
 
   def run(force, budget):
     budgets_B = np.full((batch,), budget, np.int32)
     costs = static.arguments(force)
     return lambda: speculative_jit(program, params, passed, tokens_BP, lengths_B, budgets_B,
-                                   no_eos_E, pad, key, costs, keep_state=False)[0]
+                                   no_eos_E, pad, timing_key, costs, keep_state=False)[0]
 
   thunks = [run(w - 1, budget) for w in cfg.widths for budget in (small, big)]
   # (the first call compiles: the program speculate then runs)

@@ -82,8 +82,12 @@ class AdaptiveRound:
       if self.forced:  # timed as propose_for_timing is: the model on every row
         primary_B, view = jnp.zeros_like(primary_B), stats
         drafting_G = jnp.asarray(table.drafting_G)
-    plan = self.plan(self.floored(view, drafter, None if primary_B is None else ~primary_B),
-                     remaining_B, watch=watch, probe_every=probe_every, drafting_G=drafting_G)
+    # the estimates the plan reads; a drafted round admits by the same (a combination's lookup
+    # rows unfloored: their acceptance comes in long runs)
+    planned_BG = self.floored(view, drafter,
+                              None if primary_B is None else ~primary_B).estimate_BG
+    plan = self.plan(view.replace(estimate_BG=planned_BG), remaining_B, watch=watch,
+                     probe_every=probe_every, drafting_G=drafting_G)
     lookup_only = None
     if primary_B is not None:
       # where the model's drafting does not pay this round, rows the primary serves may still:
@@ -110,7 +114,7 @@ class AdaptiveRound:
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                                 jnp.asarray(table.verify_G1), plan.probe, plan.size, s,
-                                useful_B=useful_B, primary_B=primary_B, force=force,
+                                planned_BG, useful_B=useful_B, primary_B=primary_B, force=force,
                                 secondary_off=None if primary_B is None else
                                 lookup_only | jnp.all(primary_B | s.done_B))
 
@@ -766,10 +770,11 @@ class AdaptiveRound:
                      counts=counts, draft_state=draft_state, followed_prob_BS=followed_prob_BS)
 
   def drafted_round(self, step, drafter, gamma, sampling, verifier, draft_params, eos_id,
-                    cost_G1, probe, planned, s, useful_B=None, primary_B=None,
+                    cost_G1, probe, planned, s, estimate_BG, useful_B=None, primary_B=None,
                     secondary_off=None, force=None):
     """Drafts up to `planned`, admits a prefix per row (at most useful_B: drafts its budget
-    could keep), verifies at the width the scheduler picks. primary_B: a drafter with
+    could keep), verifies at the width the scheduler picks. estimate_BG: the acceptance
+    estimates the plan read (floored as it floored them). primary_B: a drafter with
     sources' rows that draft from the primary (sourced_plan); secondary_off ([] bool): the
     other rows draft nothing this round (admitted 0; not counted as misses). force
     (CostTable.force, traced): where > 0, every active row verifies `planned` whatever the
@@ -809,7 +814,6 @@ class AdaptiveRound:
       if primary_B is not None:  # a head speaks for its own drafts, not for lookup's copies
         took_B = primary_B if secondary_off is None else primary_B | secondary_off
         conf_BG = jnp.where(took_B[:, None], default_BG, conf_BG)
-    estimate_BG = self.floored(stats, drafter).estimate_BG  # as the plan read them
     survival_BG = jnp.cumprod(jnp.minimum(conf_BG, estimate_BG), axis=1)
     inputs = AdmitInputs(q_BG, top_BG, survival_BG, stats.gamma_B, drafts_BG)
     admitted_B = (rules.admit or functools.partial(row_rule, rules))(inputs)
