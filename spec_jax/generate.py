@@ -169,11 +169,32 @@ def pad_id_value(pad_id, vocab_size: int) -> int:
 def key_and_eos(sampling: SamplingConfig, key, eos_id: EosIds,
                 vocab_size: int | None = None) -> tuple[jax.Array, np.ndarray]:
   """The PRNG key (required when sampling; greedy needs none) and the EOS ids (eos_array)."""
+  if not isinstance(sampling, SamplingConfig):
+    raise BadArgument(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
   if key is None:
     if not sampling.is_greedy:
       raise BadArgument("sampling with temperature > 0 needs a PRNG key")
     key = _greedy_key()
+  check_key(key)
   return key, eos_array(eos_id, vocab_size)
+
+
+def check_key(key) -> None:
+  """One PRNG key: jax.random.key(seed) (a typed scalar) or jax.random.PRNGKey(seed) (its
+  raw uint32 data), not a batch of keys, a seed or anything else (which fail inside jit)."""
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape != ():
+      raise BadArgument(f"key must be one PRNG key, got an array of keys of shape {shape}")
+    return
+  if dtype != np.uint32 or shape != _raw_key_shape():
+    raise BadArgument(f"key must be a PRNG key (jax.random.key(seed)), got "
+                      f"{type(key).__name__}" + (f" {dtype}{list(shape)}" if shape else ""))
+
+
+@functools.lru_cache(maxsize=1)
+def _raw_key_shape() -> tuple[int, ...]:
+  return tuple(jax.random.PRNGKey(0).shape)  # (2,) for the default threefry
 
 
 @functools.lru_cache(maxsize=1)

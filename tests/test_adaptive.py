@@ -190,8 +190,18 @@ def test_a_measured_cost_table_is_kept_on_disk_for_later_processes(small_pair, m
   assert adaptive.measure_costs(program, tp, dp, args) == measured
 
   for broken, says in [("{not json", "Expecting property name"),
-                       (json.dumps({**data, "target_costs": [1.0]}), "1 target costs for 2"),
-                       (json.dumps({**data, "draft_cost": -1.0}), "a cost is not a positive finite"),
+                       (json.dumps({**data, "target_costs": [1.0]}), "target_costs is [1.0], not"),
+                       (json.dumps({**data, "target_costs": "12"}), "target_costs is '12', not"),
+                       # 0 in float32, where the plan divides by it; infinite there
+                       (json.dumps({**data, "target_costs": [1e-300, 1.0]}),
+                        "target_costs[0] must be a positive finite time"),
+                       (json.dumps({**data, "target_costs": [1.0, 1e300]}),
+                        "target_costs[1] must be a positive finite time"),
+                       (json.dumps({**data, "target_costs": [True, True]}),
+                        "target_costs[0] must be a positive finite time"),
+                       (json.dumps({**data, "draft_cost": -1.0}), "draft_cost must be a finite"),
+                       (json.dumps({**data, "first_draft_cost": "0.1"}),
+                        "first_draft_cost must be a finite"),
                        (json.dumps({**data, "key": "other"}), "it was written for another program")]:
     stored.write_text(broken)
     monkeypatch.setattr(adaptive.costs, "_MEASURED", {})
@@ -1269,6 +1279,13 @@ def test_a_useless_draft_learns_in_hindsight_and_is_never_verified(stories, stor
     ((1.0, float("nan"), 1.0, 1.0, 1.0), 0.0, "width 2 must be a positive finite"),
     ((1.0, 1.0, 1.0, 1.0, float("inf")), 0.0, "width 9 must be a positive finite"),
     ((1.0, 1.0, 1.0, 1.0, 1.0), float("nan"), "draft cost"),
+    # beyond float32's reach: 1e-300 is 0 there (the plan divides by a plain step)
+    ((1e-300,) * 5, 1e-300, "width 1 must be a positive finite time from 1e-12"),
+    ((1.0, 1.0, 1.0, 1.0, 1e300), 0.0, "width 9 must be a positive finite time"),
+    ((1.0, 1.0, True, 1.0, 1.0), 0.0, "width 3 must be a positive finite"),
+    ("12345", 0.0, "one target time per width"),
+    ((1.0, 1.0, 1.0, 1.0, 1.0), "0.5", r"draft cost \(draft_cost\) must be a finite time"),
+    ((1.0, 1.0, 1.0, 1.0, 1.0), True, "draft cost"),
 ])
 def test_cost_table_is_validated(stories, costs, draft, match):
   with pytest.raises(ValueError, match=match):
@@ -1278,6 +1295,23 @@ def test_cost_table_is_validated(stories, costs, draft, match):
     speculate(model, params, DraftModelDrafter(model), params, *pad_prompts([[1, 2]]),
               gamma=AdaptiveConfig(8, widths=(1, 2, 3, 5, 9), target_costs=costs,
                                    draft_cost=draft), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(first_draft_cost=-1.0), r"draft cost \(first_draft_cost\)"),
+    (dict(first_draft_cost="x"), r"draft cost \(first_draft_cost\)"),
+    (dict(widths=(1, 2.7, 9)), "widths must be a tuple of integers"),  # not cut to (1, 2, 9)
+    (dict(widths=("1", "5", "9")), "widths must be a tuple of integers"),
+    (dict(widths=(True, 5, 9)), "widths must be a tuple of integers"),
+    (dict(widths=()), "widths must be a tuple of integers"),
+    (dict(widths="19"), "widths must be a tuple of integers"),
+    (dict(in_program_costs="yes"), "in_program_costs must be True or False"),
+    (dict(final_draft_state="no"), "final_draft_state must be True or False"),
+    (dict(tree_nodes=4.5), "tree_nodes must be an integer"),
+])
+def test_adaptive_settings_are_validated(settings, match):
+  with pytest.raises(ValueError, match=match):
+    AdaptiveConfig(8, **settings).resolved()
 
 
 @pytest.mark.parametrize("drafts", [False, True])

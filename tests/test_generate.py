@@ -117,6 +117,15 @@ def test_bad_input_raises_before_compute():
   with pytest.raises(ValueError, match="needs a PRNG key"):
     generate(model, params, *pad_prompts([[1, 2]]), max_new_tokens=4,
              sampling=SamplingConfig(temperature=1.0))
+  # keys jit would fail on, deep inside the program: a seed, text, a batch of keys
+  for key, says in [(0, "got int"), ("abc", "got str"), (np.array([1, 2]), "int64"),
+                    (jax.random.split(jax.random.key(0), 2), "array of keys of shape")]:
+    with pytest.raises(ValueError, match=f"key must be .*{says}"):
+      generate(model, params, *pad_prompts([[1, 2]]), max_new_tokens=4,
+               sampling=SamplingConfig(temperature=1.0), key=key)
+  with pytest.raises(ValueError, match="sampling must be a SamplingConfig, got dict"):
+    generate(model, params, *pad_prompts([[1, 2]]), max_new_tokens=4,
+             sampling={"temperature": 1.0}, key=jax.random.key(0))
   with pytest.raises(ValueError, match="budgets"):
     generate(model, params, *pad_prompts([[1, 2]]), max_new_tokens=4, budgets_B=[9])
 

@@ -59,8 +59,15 @@ def test_greedy_distribution_is_one_hot():
   assert np.array_equal(probs, np.eye(9)[logits.argmax(-1)])
 
 
-@pytest.mark.parametrize("kw,msg", [({"temperature": -0.1}, "temperature"), ({"top_k": -1}, "top_k"),
-                                    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+@pytest.mark.parametrize("kw,msg", [
+    ({"temperature": -0.1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    # an infinite temperature made every warped logit nan or 0: top_k and top_p cut nothing
+    ({"temperature": float("inf"), "top_k": 1}, "temperature must be >= 0 and finite"),
+    ({"temperature": "0.5"}, "temperature must be a number"), ({"top_p": "1"}, "top_p must be"),
+    ({"top_k": True}, "top_k must be a non-negative integer"), ({"top_k": 2.5}, "top_k"),
+    ({"top_k": float("inf")}, "top_k"), ({"min_new_tokens": True}, "min_new_tokens"),
+    ({"repetition_penalty": None}, "repetition_penalty must be a number")])
 def test_bad_settings_raise(kw, msg):
   with pytest.raises(ValueError, match=msg):
     SamplingConfig(**kw)

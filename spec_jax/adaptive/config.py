@@ -353,7 +353,16 @@ class AdaptiveConfig:
     g = DEFAULT_GAMMA_MAX if self.gamma_max is None else self.gamma_max
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
       raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
+    if self.widths is not None and (not isinstance(self.widths, (tuple, list)) or not all(
+        is_int(w) for w in self.widths) or not self.widths):
+      raise ValueError(f"widths must be a tuple of integers (tokens a round verifies), got "
+                       f"{self.widths!r}")
+    for name in ("final_draft_state", "in_program_costs"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.tree_nodes is not None:
+      if not is_int(self.tree_nodes) or self.tree_nodes < 1:
+        raise ValueError(f"tree_nodes must be an integer >= 1, got {self.tree_nodes!r}")
       n = int(self.tree_nodes)
       widths = tree_widths(n) if self.widths is None else tuple(int(w) for w in self.widths)
       if list(widths) != sorted(set(widths)) or widths[0] != 1 or widths[-1] != n:
@@ -370,7 +379,7 @@ class AdaptiveConfig:
     elif self.draft_cost is not None:
       check_costs(widths, default_costs(widths), self.draft_cost)
     if self.first_draft_cost is not None:
-      check_costs(widths, default_costs(widths), self.first_draft_cost)
+      check_costs(widths, default_costs(widths), self.first_draft_cost, "first_draft_cost")
     if not isinstance(self.rules, AdaptiveRules):  # (whose fields are checked when built)
       raise TypeError(f"rules must be an AdaptiveRules, got {self.rules!r}")
     m = self.max_stretch
@@ -443,16 +452,33 @@ def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> n
   return (first + (full - first) * (m_G - 1) / (gamma_max - 1)).astype(np.float32)
 
 
-def check_costs(widths, target_costs, draft_cost) -> None:
-  """The cost table: one positive, finite time per width, and a finite draft cost >= 0."""
-  if target_costs is None or len(target_costs) != len(widths):
+# The range a target pass's cost (in seconds, or any one unit) may take: the plan divides by
+# a plain step and multiplies ratios in float32, where 1e-300 is 0 and 1e300 infinite. A
+# drafting cost may be anything from 0 (a drafter that costs nothing) up to MAX_COST.
+MIN_COST, MAX_COST = 1e-12, 1e6
+
+
+def check_cost(value, what: str, *, drafting: bool = False) -> float:
+  """One time of a cost table as a float: a number (not a bool or a string) in [MIN_COST,
+  MAX_COST], or in [0, MAX_COST] for drafting; ValueError naming `what` otherwise."""
+  lowest = 0.0 if drafting else MIN_COST
+  number = isinstance(value, (int, float, np.integer, np.floating)) and \
+      not isinstance(value, (bool, np.bool_))
+  if not number or not math.isfinite(value) or not lowest <= value <= MAX_COST:
+    raise ValueError(f"{what} must be a {'' if drafting else 'positive '}finite time from "
+                     f"{lowest:g} to {MAX_COST:g}, got {value!r}")
+  return float(value)
+
+
+def check_costs(widths, target_costs, draft_cost, draft_name: str = "draft_cost") -> None:
+  """The cost table: one time per width, and the drafting cost (check_cost)."""
+  if not isinstance(target_costs, (tuple, list, np.ndarray)) or \
+      len(target_costs) != len(widths):
     raise ValueError(f"the cost table needs one target time per width {tuple(widths)}, got "
-                     f"{target_costs}")
+                     f"{target_costs!r}")
   for w, c in zip(widths, target_costs):
-    if not isinstance(c, (int, float, np.floating)) or not math.isfinite(c) or c <= 0:
-      raise ValueError(f"the cost of width {w} must be a positive finite time, got {c!r}")
-  if not math.isfinite(draft_cost) or draft_cost < 0:
-    raise ValueError(f"the draft cost must be a finite time >= 0, got {draft_cost!r}")
+    check_cost(c, f"the cost of width {w}")
+  check_cost(draft_cost, f"the draft cost ({draft_name})", drafting=True)
 
 
 def as_config(gamma, drafter=None) -> AdaptiveConfig | None:

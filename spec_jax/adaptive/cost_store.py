@@ -21,7 +21,6 @@ import datetime
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -30,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 import jax
+
+from spec_jax.adaptive.config import check_cost
 
 _FOLDER: list[str | None] = [None]
 VERSION = 1  # of the file format and of what the key holds
@@ -140,12 +141,13 @@ def load(key: str | None, widths: int):
       data = json.load(f)
     if data.get("key") != key:
       raise ValueError("it was written for another program (a hash collision)")
-    costs = tuple(float(c) for c in data["target_costs"])
-    draft, first = float(data["draft_cost"]), float(data["first_draft_cost"])
-    if len(costs) != widths:
-      raise ValueError(f"{len(costs)} target costs for {widths} widths")
-    if not all(math.isfinite(c) and c > 0 for c in costs + (draft, first)):
-      raise ValueError("a cost is not a positive finite number")
+    stored = data["target_costs"]
+    if not isinstance(stored, list) or len(stored) != widths:
+      raise ValueError(f"target_costs is {stored!r}, not a list of {widths} times")
+    # (as measured: every time in range, drafting's too)
+    costs = tuple(check_cost(c, f"target_costs[{i}]") for i, c in enumerate(stored))
+    draft, first = (check_cost(data[name], name, drafting=True)
+                    for name in ("draft_cost", "first_draft_cost"))
   except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError) as e:
     print(f"warning: ignoring the stored cost table {path} ({e}); measuring it again",
           file=sys.stderr)

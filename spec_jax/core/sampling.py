@@ -12,6 +12,8 @@ after (prompt + generated + the drafts before it), so verification stays exact.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +44,19 @@ class SamplingConfig:
   min_new_tokens: int = 0
 
   def __post_init__(self):
-    if not self.temperature >= 0.0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if int(self.top_k) != self.top_k or self.top_k < 0:
-      raise ValueError(f"top_k must be a non-negative integer, got {self.top_k}")
+    for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):  # numbers, not strings or bools (a str fails in jit)
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    for name in ("top_k", "min_new_tokens"):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or \
+          not math.isfinite(value) or int(value) != value or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    # an infinite temperature divides every logit to nan or 0: top_k and top_p then cut nothing
+    if not 0.0 <= self.temperature < float("inf"):
+      raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if not 0.0 < self.repetition_penalty < float("inf"):
@@ -55,10 +66,6 @@ class SamplingConfig:
       value = getattr(self, name)
       if not abs(value) < float("inf"):  # negative values reward repeats, as in vLLM
         raise ValueError(f"{name} must be a finite number, got {value}")
-    if isinstance(self.min_new_tokens, bool) or int(self.min_new_tokens) != self.min_new_tokens \
-        or self.min_new_tokens < 0:
-      raise ValueError(f"min_new_tokens must be a non-negative integer, got "
-                       f"{self.min_new_tokens}")
 
   @property
   def is_greedy(self) -> bool:
