@@ -44,7 +44,31 @@ DEFAULT_GAMMA = 4
 
 def gamma_arg(text: str):
   """--gamma: a positive integer, or 'auto' (adaptive speculation)."""
-  return "auto" if text == "auto" else cli.positive_int(text)
+  if text == "auto":
+    return text
+  try:
+    return cli.positive_int(text)
+  except argparse.ArgumentTypeError:
+    raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
+def check_flags(args) -> None:
+  """Flags that cannot work together, or that the run would ignore: named before loading."""
+  if args.stream and len(args.prompts) > 1:
+    raise BadArgument(f"--stream prints one prompt's text as it comes; got "
+                      f"{len(args.prompts)} prompts (run them without --stream)")
+  if args.stream and args.json:
+    raise BadArgument("--stream and --json both write to stdout: pass one of them")
+  if args.draft == "none":
+    unused = [flag for flag, value in (("--gamma", args.gamma), ("--tree", args.tree),
+                                       ("--compare", args.compare or None),
+                                       ("--draft-model", args.draft_model),
+                                       ("--draft-layers", args.draft_layers),
+                                       ("--draft-checkpoint", args.draft_checkpoint))
+              if value is not None]
+    if unused:
+      raise BadArgument(f"--draft none decodes autoregressively: {', '.join(unused)} "
+                        "would do nothing")
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -147,11 +171,24 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
     if args.model in ZOO:
       shipped = functools.partial(zoo_drafter, args.model)
     default = ZOO_DRAFTER if shipped and shipped(ZOO_DRAFTER) else "prompt_lookup"
+    if args.tree and (args.draft_model or default not in tree_drafter_kinds()):
+      default = "draft_model"  # trees: a model drafts them
   kind = args.draft or default
   if kind == "none":
     return kind, None, None
   family = registry.model_family(kind)  # "lookup+eagle": EAGLE's files
   checkpoint = args.draft_checkpoint or (shipped(family.name) if shipped else None)
+  # flags this drafter would not read (the factory ignores them: its callers pass all alike)
+  for flag, value, reader in (("--draft-layers", args.draft_layers, "layer_skip"),
+                              ("--draft-model", args.draft_model, "draft_model")):
+    if value is not None and family.name != reader:
+      raise BadArgument(f"{flag} is for --draft {reader} (or lookup+{reader}); --draft {kind} "
+                        "does not read it")
+  if family.name == "draft_model" and builtin_draft is None and not args.draft_model \
+      and checkpoint is None:
+    asked = f"--draft {kind}" if args.draft else "--tree (drafted by a model by default)"
+    raise BadArgument(f"{asked} needs a draft model: pass --draft-model FILE (or "
+                      "--draft-checkpoint DIR of a trained one)")
   tree = None if args.tree is None else TreeOptions.parse(args.tree)
   # a draft model for the families that take one (the others ignore it)
   draft_model, draft_params = builtin_draft or (None, None)
@@ -192,6 +229,7 @@ def timed(runs: dict, repeats: int) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  check_flags(args)
   cli.enable_compile_cache(args.compile_cache)
   cli.enable_cost_tables(args.cost_tables)
   sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)

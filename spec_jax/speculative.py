@@ -310,6 +310,9 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
   if not is_int(gamma) or gamma < 1:  # 4.0 and True are not draft lengths
     raise BadArgument(f"gamma (draft length) must be an integer >= 1, got {gamma!r}")
   gamma = int(gamma)
+  if gamma >= target.max_seq_len:  # (its verification block alone would not fit)
+    raise BadArgument(f"gamma (draft length) {gamma} is not below the model's context of "
+                      f"{target.max_seq_len} positions")
   drafter.check(target, gamma)
   args, cache_len = call_args(target, drafter, gamma, prompt_tokens_BP, prompt_lengths_B,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
@@ -328,6 +331,7 @@ def call_args(target: CausalLM, drafter: Drafter, gamma: int, prompt_tokens_BP,
   tokens, lengths, cache_len = check_generation_args(
       target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
+  drafter.check_context(cache_len)
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id, target.vocab_size)
   pad_id = pad_id_value(pad_id, target.vocab_size)

@@ -625,8 +625,23 @@ def medusa_for_builtin(tmp_path_factory) -> Path:
 
 BAD_FLAGS = [  # (script, argv, exit status, what the one line must say)
     ("generate", ["hi", "--model", "/nonexistent"], 1, "no checkpoint at /nonexistent"),
-    ("generate", ["hi", "--gamma", "0"], 2, "argument --gamma: must be an integer >= 1, got 0"),
-    ("generate", ["hi", "--gamma", "4.5"], 2, "argument --gamma: must be an integer, got '4.5'"),
+    ("generate", ["hi", "--gamma", "0"], 2,
+     "argument --gamma: must be an integer >= 1 or 'auto', got '0'"),
+    ("generate", ["hi", "--gamma", "4.5"], 2,
+     "argument --gamma: must be an integer >= 1 or 'auto', got '4.5'"),
+    ("generate", ["hi", "--gamma", "autox"], 2,
+     "argument --gamma: must be an integer >= 1 or 'auto', got 'autox'"),
+    # flags that cannot work together, or that the run would ignore
+    ("generate", ["hi", "there", "--stream"], 2,
+     "--stream prints one prompt's text as it comes; got 2 prompts"),
+    ("generate", ["hi", "--stream", "--json"], 2, "--stream and --json both write to stdout"),
+    ("generate", ["hi", "--draft", "none", "--gamma", "3", "--compare"], 2,
+     "--draft none decodes autoregressively: --gamma, --compare would do nothing"),
+    ("generate", ["hi", "--draft", "prompt_lookup", "--draft-layers", "2"], 2,
+     "--draft-layers is for --draft layer_skip (or lookup+layer_skip); --draft prompt_lookup "
+     "does not read it"),
+    ("generate", ["hi", "--draft", "layer_skip", "--draft-model", "/nonexistent"], 2,
+     "--draft-model is for --draft draft_model"),
     ("generate", ["hi", "--tree", "a,b"], 2, "argument --tree: a tree is DEPTH,TOPK,NODES"),
     ("generate", ["hi", "--tree=-1,3,16"], 2, "argument --tree: tree depth must be an integer"),
     ("generate", ["hi", "--temperature", "-1"], 2, "argument --temperature: must be a finite"),
@@ -674,6 +689,25 @@ def test_bad_flags_give_one_line_and_the_right_status(tmp_path, medusa_for_built
   help_text = " ".join(results[-2]["stdout"].split())
   assert results[-2]["status"] == 0 and "U+FFFD" in help_text and "--debug" in help_text
   assert results[-1]["status"] == "traceback" and "CheckpointNotFound" in results[-1]["stderr"]
+
+
+def test_a_model_without_a_draft_model_names_the_flag_it_needs(tmp_path):
+  """On a model with no draft model beside it, --draft draft_model and --tree (drafted by a
+  model by default) name --draft-model; the factory's message named API arguments, and
+  --tree fell back to prompt lookup, which has no tree."""
+  from conftest import STORIES_DIR, require_shared
+  model = str(require_shared(STORIES_DIR / "stories260K.bin"))
+  cases = [("generate", ["hi", "--model", model, "--draft", "draft_model"]),
+           ("generate", ["hi", "--model", model, "--tree", "4,3,16"])]
+  (tmp_path / "cases.json").write_text(json.dumps(cases))
+  subprocess.run([sys.executable, str(REPO / "tests" / "cli_driver.py"),
+                  str(tmp_path / "cases.json"), str(tmp_path / "out.json")], check=True,
+                 timeout=600, cwd=REPO)
+  for asked, result in zip(["--draft draft_model", "--tree (drafted by a model by default)"],
+                           json.loads((tmp_path / "out.json").read_text())):
+    assert result["status"] == 2 and result["stderr"] == (
+        f"error: {asked} needs a draft model: pass --draft-model FILE (or --draft-checkpoint "
+        "DIR of a trained one)\n"), result
 
 
 def test_cli_in_a_real_process_and_argv_that_is_not_utf8():

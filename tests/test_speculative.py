@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -14,6 +15,7 @@ from conftest import STORIES_DIR, perturbed, require_shared, tiny_llama
 from spec_jax.drafters.draft_model import DraftModelDrafter
 from spec_jax.drafters.draft_model_tree import DraftModelTreeDrafter
 from spec_jax.drafters.layer_skip import LayerSkipDrafter
+from spec_jax.drafters.prompt_lookup import PromptLookupDrafter
 from spec_jax.engine import lower, speculate
 from spec_jax.generate import generate, pad_prompts
 from spec_jax.metrics import summarize
@@ -191,6 +193,12 @@ def test_bad_input(stories):
     with pytest.raises(ValueError, match="gamma"):
       speculative_generate(model, params, DraftModelDrafter(model), params, *prompts,
                            gamma=gamma, max_new_tokens=5)
+  from spec_jax.adaptive import AdaptiveConfig
+  for gamma in (512, AdaptiveConfig(10 ** 6)):  # (compiled as given, a block of 10**6 + 1)
+    with pytest.raises(ValueError, match="gamma .draft length. [0-9]+ is not below the "
+                                         "model's context of 512"):
+      speculate(model, params, PromptLookupDrafter(), None, *prompts, gamma=gamma,
+                max_new_tokens=5)
   with pytest.raises(ValueError, match="longer than the model's context of 512"):
     speculative_generate(model, params, DraftModelDrafter(model), params, *prompts, gamma=7,
                          max_new_tokens=510)
@@ -202,6 +210,18 @@ def test_bad_input(stories):
   with pytest.raises(ValueError, match="cache of 12 slots is too small"):
     speculative_generate(model, params, DraftModelDrafter(model), params, *prompts, gamma=7,
                          max_new_tokens=10, cache_len=12)
+  # a draft model of a shorter context than the run (it ran past it, silently)
+  short = dataclasses.replace(model, config=dataclasses.replace(model.config, max_seq_len=16))
+  from spec_jax.drafters.factory import make_drafter
+  for drafter, draft_params in [(DraftModelDrafter(short), params),
+                                (DraftModelTreeDrafter(short, depth=3, top_k=2, nodes=7), params),
+                                make_drafter("lookup+draft_model", model, params,
+                                             draft_model=short, draft_params=params)]:
+    with pytest.raises(ValueError, match=r"needs (19|26) positions, longer than the context "
+                                         r"of .*DraftModel.*'s model \(16\)"):
+      speculate(model, params, drafter, draft_params, *prompts, max_new_tokens=16, gamma="auto")
+  speculate(model, params, DraftModelDrafter(short), params, *prompts, max_new_tokens=13,
+            gamma=2)  # 3 + 13 = 16 positions: inside it
 
 
 def test_incompatible_tokenizers_are_refused():

@@ -199,6 +199,10 @@ class FallbackDrafter(Drafter):
     # one hidden-state layout, [last ; those layers]: check() keeps the primary off them)
     return tuple(self.secondary.feature_layers)
 
+  def check_context(self, cache_len: int) -> None:
+    for part in (self.primary, self.secondary):
+      part.check_context(cache_len)
+
   def check(self, target, gamma: int) -> None:
     if self.primary.feature_layers:
       raise ValueError(f"{type(self).__name__}: the primary ({type(self.primary).__name__}) "
