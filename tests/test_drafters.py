@@ -430,6 +430,10 @@ def test_construction_and_checks(stories):
     make_drafter("lookahead", model, params)
   with pytest.raises(ValueError, match="needs draft_model"):
     make_drafter("draft_model", model, params)
+  with pytest.raises(ValueError, match="needs the target model"):  # (an AttributeError before)
+    make_drafter("layer_skip", None, params)
+  with pytest.raises(ValueError, match="draft_model must be a model handle .*got str"):
+    make_drafter("draft_model", model, params, draft_model="draft.bin", draft_params=params)
   combined, combined_params = make_drafter("lookup+quantized", model, params)
   assert combined == FallbackDrafter(PromptLookupDrafter(3, 2), ResyncDraftModelDrafter(model))
   assert combined_params[0] is None

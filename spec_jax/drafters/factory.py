@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from spec_jax.core.errors import BadArgument
 from spec_jax.drafters import registry
 from spec_jax.drafters.files import load_drafter
 from spec_jax.drafters.registry import BuildOptions, TreeOptions
@@ -47,6 +48,12 @@ def make_drafter(kind: str, target_model, target_params, *, draft_model=None, dr
 
   Options a kind does not use are ignored (command lines pass them uniformly).
   """
+  for name, model in (("target_model", target_model), ("draft_model", draft_model)):
+    if model is not None and not all(hasattr(model, a) for a in ("apply", "vocab_size")):
+      raise BadArgument(f"{name} must be a model handle (load_model's first result), got "
+                        f"{type(model).__name__}")
+  if target_model is None:
+    raise BadArgument("make_drafter needs the target model (load_model's first result)")
   fam, combined = registry.resolve(kind)
   opts = BuildOptions(draft_model, draft_params, num_layers, max_ngram, min_ngram, tree)
   if combined is None:
