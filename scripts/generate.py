@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="each prompt is a user message: apply the model's chat template")
   p.add_argument("--tokenizer", default=None, help="tok*.bin or tokenizer.json (default: beside the model)")
   p.add_argument("--draft", default=None, choices=DRAFT_KINDS,
-                 help=f"drafter (default: {BUILTIN_DRAFTER} for the built-in pair, {ZOO_DRAFTER} "
+                 help=f"drafter (default: {BUILTIN_DRAFTER} for the built-in pair or with "
+                      f"--draft-model, layer_skip with --draft-layers, {ZOO_DRAFTER} "
                       "(shipped) for zoo models, draft_model "
                       "with --tree, else prompt_lookup; none = autoregressive)")
   p.add_argument("--draft-model", default=None, help="checkpoint of the draft model for --draft model")
@@ -171,19 +172,27 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
     if args.model in ZOO:
       shipped = functools.partial(zoo_drafter, args.model)
     default = ZOO_DRAFTER if shipped and shipped(ZOO_DRAFTER) else "prompt_lookup"
-    if args.tree and (args.draft_model or default not in tree_drafter_kinds()):
+    if args.draft_model:  # the draft model given drafts, as the built-in pair's does
+      default = "draft_model" if args.tree else BUILTIN_DRAFTER
+    elif args.tree and default not in tree_drafter_kinds():
       default = "draft_model"  # trees: a model drafts them
+  if args.draft_layers and not args.draft_model:
+    default = "layer_skip"
   kind = args.draft or default
   if kind == "none":
     return kind, None, None
   family = registry.model_family(kind)  # "lookup+eagle": EAGLE's files
   checkpoint = args.draft_checkpoint or (shipped(family.name) if shipped else None)
   # flags this drafter would not read (the factory ignores them: its callers pass all alike)
+  chosen = f"--draft {kind}" if args.draft else f"the default drafter ({kind})"
   for flag, value, reader in (("--draft-layers", args.draft_layers, "layer_skip"),
                               ("--draft-model", args.draft_model, "draft_model")):
     if value is not None and family.name != reader:
-      raise BadArgument(f"{flag} is for --draft {reader} (or lookup+{reader}); --draft {kind} "
+      raise BadArgument(f"{flag} is for --draft {reader} (or lookup+{reader}); {chosen} "
                         "does not read it")
+  if args.draft_model and args.draft_checkpoint:  # (the checkpoint's model would win)
+    raise BadArgument("--draft-model and --draft-checkpoint both give the draft model: pass "
+                      "one of them")
   if family.name == "draft_model" and builtin_draft is None and not args.draft_model \
       and checkpoint is None:
     asked = f"--draft {kind}" if args.draft else "--tree (drafted by a model by default)"

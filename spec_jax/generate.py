@@ -187,14 +187,15 @@ def check_key(key) -> None:
     if shape != ():
       raise BadArgument(f"key must be one PRNG key, got an array of keys of shape {shape}")
     return
-  if dtype != np.uint32 or shape != _raw_key_shape():
+  if dtype != np.uint32 or shape != _raw_key_shape(jax.config.jax_default_prng_impl):
     raise BadArgument(f"key must be a PRNG key (jax.random.key(seed)), got "
                       f"{type(key).__name__}" + (f" {dtype}{list(shape)}" if shape else ""))
 
 
-@functools.lru_cache(maxsize=1)
-def _raw_key_shape() -> tuple[int, ...]:
-  return tuple(jax.random.PRNGKey(0).shape)  # (2,) for the default threefry
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+  """A raw key's shape under the default PRNG implementation `impl` ((2,): threefry)."""
+  return tuple(jax.random.PRNGKey(0).shape)
 
 
 @functools.lru_cache(maxsize=1)

@@ -311,8 +311,8 @@ def prepare(target: CausalLM, drafter: Drafter, prompt_tokens_BP, prompt_lengths
     raise BadArgument(f"gamma (draft length) must be an integer >= 1, got {gamma!r}")
   gamma = int(gamma)
   if gamma >= target.max_seq_len:  # (its verification block alone would not fit)
-    raise BadArgument(f"gamma (draft length) {gamma} is not below the model's context of "
-                      f"{target.max_seq_len} positions")
+    raise BadArgument(f"gamma (draft length; AdaptiveConfig.gamma_max with 'auto') {gamma} "
+                      f"is not below the model's context of {target.max_seq_len} positions")
   drafter.check(target, gamma)
   args, cache_len = call_args(target, drafter, gamma, prompt_tokens_BP, prompt_lengths_B,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
@@ -331,7 +331,8 @@ def call_args(target: CausalLM, drafter: Drafter, gamma: int, prompt_tokens_BP,
   tokens, lengths, cache_len = check_generation_args(
       target, prompt_tokens_BP, prompt_lengths_B, max_new_tokens=max_new_tokens,
       extra_slots=drafter.extra_slots(gamma), cache_len=cache_len)
-  drafter.check_context(cache_len)
+  # (positions, not cache_len: a caller's larger cache holds slots the run never reaches)
+  drafter.check_context(tokens.shape[1] + int(max_new_tokens))
   budgets = budgets_array(max_new_tokens, budgets_B, tokens.shape[0])
   key, eos = key_and_eos(sampling, key, eos_id, target.vocab_size)
   pad_id = pad_id_value(pad_id, target.vocab_size)

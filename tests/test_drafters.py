@@ -430,8 +430,9 @@ def test_construction_and_checks(stories):
     make_drafter("lookahead", model, params)
   with pytest.raises(ValueError, match="needs draft_model"):
     make_drafter("draft_model", model, params)
-  with pytest.raises(ValueError, match="needs the target model"):  # (an AttributeError before)
+  with pytest.raises(ValueError, match="'layer_skip' needs the target model"):  # (AttributeError)
     make_drafter("layer_skip", None, params)
+  assert make_drafter("prompt_lookup", None, None)[1] is None  # lookup reads no model
   with pytest.raises(ValueError, match="draft_model must be a model handle .*got str"):
     make_drafter("draft_model", model, params, draft_model="draft.bin", draft_params=params)
   combined, combined_params = make_drafter("lookup+quantized", model, params)

@@ -694,20 +694,32 @@ def test_bad_flags_give_one_line_and_the_right_status(tmp_path, medusa_for_built
 def test_a_model_without_a_draft_model_names_the_flag_it_needs(tmp_path):
   """On a model with no draft model beside it, --draft draft_model and --tree (drafted by a
   model by default) name --draft-model; the factory's message named API arguments, and
-  --tree fell back to prompt lookup, which has no tree."""
+  --tree fell back to prompt lookup, which has no tree. --draft-model alone drafts with it
+  (it was ignored), and beside --draft-checkpoint, whose model would win, is an error."""
   from conftest import STORIES_DIR, require_shared
   model = str(require_shared(STORIES_DIR / "stories260K.bin"))
   cases = [("generate", ["hi", "--model", model, "--draft", "draft_model"]),
-           ("generate", ["hi", "--model", model, "--tree", "4,3,16"])]
+           ("generate", ["hi", "--model", model, "--tree", "4,3,16"]),
+           ("generate", ["hi", "--model", model, "--draft-model", model, "--draft-checkpoint",
+                         str(tmp_path)]),
+           # a draft model given without --draft drafts (with lookup, as the built-in pair's)
+           ("generate", ["hi", "--model", model, "--draft-model", model, "--max-new-tokens", "4",
+                         "--json"])]
   (tmp_path / "cases.json").write_text(json.dumps(cases))
   subprocess.run([sys.executable, str(REPO / "tests" / "cli_driver.py"),
                   str(tmp_path / "cases.json"), str(tmp_path / "out.json")], check=True,
                  timeout=600, cwd=REPO)
+  results = json.loads((tmp_path / "out.json").read_text())
   for asked, result in zip(["--draft draft_model", "--tree (drafted by a model by default)"],
-                           json.loads((tmp_path / "out.json").read_text())):
+                           results):
     assert result["status"] == 2 and result["stderr"] == (
         f"error: {asked} needs a draft model: pass --draft-model FILE (or --draft-checkpoint "
         "DIR of a trained one)\n"), result
+  assert results[2]["status"] == 2 and results[2]["stderr"] == (
+      "error: --draft-model and --draft-checkpoint both give the draft model: pass one of "
+      "them\n"), results[2]
+  assert results[3]["status"] == 0, results[3]
+  assert json.loads(results[3]["stdout"])["drafter"] == "lookup+draft_model"
 
 
 def test_cli_in_a_real_process_and_argv_that_is_not_utf8():

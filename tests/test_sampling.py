@@ -66,6 +66,7 @@ def test_greedy_distribution_is_one_hot():
     ({"temperature": float("inf"), "top_k": 1}, "temperature must be >= 0 and finite"),
     ({"temperature": "0.5"}, "temperature must be a number"), ({"top_p": "1"}, "top_p must be"),
     ({"top_k": True}, "top_k must be a non-negative integer"), ({"top_k": 2.5}, "top_k"),
+    ({"top_k": 4.0}, "top_k"), ({"temperature": 10 ** 400}, "temperature"),
     ({"top_k": float("inf")}, "top_k"), ({"min_new_tokens": True}, "min_new_tokens"),
     ({"repetition_penalty": None}, "repetition_penalty must be a number")])
 def test_bad_settings_raise(kw, msg):

@@ -339,6 +339,26 @@ class AdaptiveConfig:
   # process's spread; docs/adaptive_log.md, stop 56), for seconds more start-up.
   in_program_costs: bool = False
 
+  def __post_init__(self):
+    # Types here, at construction: resolved() is memoised on equality, where True == 1 ==
+    # 1.0, so a config holding a bool would come back as an equal valid one's result.
+    if self.widths is not None and (not isinstance(self.widths, (tuple, list)) or not all(
+        is_int(w) for w in self.widths) or not self.widths):
+      raise ValueError(f"widths must be a tuple of integers (tokens a round verifies), got "
+                       f"{self.widths!r}")
+    for name in ("final_draft_state", "in_program_costs"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+    costs = self.target_costs
+    if costs is not None and isinstance(costs, (tuple, list, np.ndarray)):
+      for w, c in enumerate(costs):
+        if not _is_number(c):
+          raise ValueError(f"target_costs[{w}] must be a number (a time), got {c!r}")
+    for name in ("draft_cost", "first_draft_cost"):
+      c = getattr(self, name)
+      if c is not None and not _is_number(c):
+        raise ValueError(f"the draft cost ({name}) must be a number (a time), got {c!r}")
+
   @property
   def keeps_drafter_in_step(self) -> bool:
     """Whether every plain stretch records its steps for the drafter and catches it up (no
@@ -353,13 +373,6 @@ class AdaptiveConfig:
     g = DEFAULT_GAMMA_MAX if self.gamma_max is None else self.gamma_max
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
       raise ValueError(f"gamma_max must be an integer >= 1, got {g!r}")
-    if self.widths is not None and (not isinstance(self.widths, (tuple, list)) or not all(
-        is_int(w) for w in self.widths) or not self.widths):
-      raise ValueError(f"widths must be a tuple of integers (tokens a round verifies), got "
-                       f"{self.widths!r}")
-    for name in ("final_draft_state", "in_program_costs"):
-      if not isinstance(getattr(self, name), (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
     if self.tree_nodes is not None:
       if not is_int(self.tree_nodes) or self.tree_nodes < 1:
         raise ValueError(f"tree_nodes must be an integer >= 1, got {self.tree_nodes!r}")
@@ -458,13 +471,18 @@ def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> n
 MIN_COST, MAX_COST = 1e-12, 1e6
 
 
+def _is_number(value) -> bool:
+  """An int or float (NumPy's too), not a bool or a string."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and \
+      not isinstance(value, (bool, np.bool_))
+
+
 def check_cost(value, what: str, *, drafting: bool = False) -> float:
   """One time of a cost table as a float: a number (not a bool or a string) in [MIN_COST,
   MAX_COST], or in [0, MAX_COST] for drafting; ValueError naming `what` otherwise."""
   lowest = 0.0 if drafting else MIN_COST
-  number = isinstance(value, (int, float, np.integer, np.floating)) and \
-      not isinstance(value, (bool, np.bool_))
-  if not number or not math.isfinite(value) or not lowest <= value <= MAX_COST:
+  # (an int too large for a float, 10**400, would raise OverflowError in isfinite)
+  if not _is_number(value) or not lowest <= value <= MAX_COST or not math.isfinite(value):
     raise ValueError(f"{what} must be a {'' if drafting else 'positive '}finite time from "
                      f"{lowest:g} to {MAX_COST:g}, got {value!r}")
   return float(value)

@@ -12,7 +12,6 @@ after (prompt + generated + the drafts before it), so verification stays exact.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 
 import jax
@@ -49,10 +48,15 @@ class SamplingConfig:
       value = getattr(self, name)
       if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    for name in ("top_k", "min_new_tokens"):
+      try:
+        float(value)
+      except OverflowError:  # an int no float holds: it would overflow inside the program
+        raise ValueError(f"{name} must be a finite number a float can hold, got an integer "
+                         f"of {len(str(abs(value)))} digits") from None
+    for name in ("top_k", "min_new_tokens"):  # (4.0 would reach jit as a shape and fail there)
       value = getattr(self, name)
-      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or \
-          not math.isfinite(value) or int(value) != value or value < 0:
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or \
+          value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     # an infinite temperature divides every logit to nan or 0: top_k and top_p then cut nothing
     if not 0.0 <= self.temperature < float("inf"):

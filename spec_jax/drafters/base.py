@@ -150,15 +150,16 @@ class Drafter:
                        f"({self.max_gamma_reason}), got gamma={gamma}")
     check_feature_layers(self.feature_layers, target, type(self).__name__)
 
-  def check_context(self, cache_len: int) -> None:
+  def check_context(self, positions: int) -> None:
     """Host-side, per call: a drafter with a model of its own (`model` with max_seq_len) runs
-    it at positions up to cache_len - 1, which must lie inside that model's context, as the
-    target's must (check_generation_args); past it a model's positions mean nothing."""
+    it at the run's positions (prompt width + max_new_tokens; drafts past a row's budget are
+    never kept), which must lie inside that model's context, as the target's must
+    (check_generation_args): past it a model's positions mean nothing."""
     limit = getattr(getattr(self, "model", None), "max_seq_len", None)
-    if limit is not None and cache_len > limit:
-      raise BadArgument(f"this run needs {cache_len} positions, longer than the context of "
-                        f"{type(self).__name__}'s model ({limit}): use fewer new tokens or "
-                        "shorter prompts, or a draft model with a longer context")
+    if limit is not None and positions > limit:
+      raise BadArgument(f"prompt width + new tokens = {positions} positions is longer than "
+                        f"the context of {type(self).__name__}'s model ({limit}): use fewer "
+                        "new tokens or shorter prompts, or a draft model with a longer context")
 
   def check_params(self, params, signature: tuple | None = None) -> None:
     """Host-side: `params` fit this drafter's model (names and shapes), before tracing.

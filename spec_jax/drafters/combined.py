@@ -199,9 +199,9 @@ class FallbackDrafter(Drafter):
     # one hidden-state layout, [last ; those layers]: check() keeps the primary off them)
     return tuple(self.secondary.feature_layers)
 
-  def check_context(self, cache_len: int) -> None:
+  def check_context(self, positions: int) -> None:
     for part in (self.primary, self.secondary):
-      part.check_context(cache_len)
+      part.check_context(positions)
 
   def check(self, target, gamma: int) -> None:
     if self.primary.feature_layers:

@@ -52,9 +52,9 @@ def make_drafter(kind: str, target_model, target_params, *, draft_model=None, dr
     if model is not None and not all(hasattr(model, a) for a in ("apply", "vocab_size")):
       raise BadArgument(f"{name} must be a model handle (load_model's first result), got "
                         f"{type(model).__name__}")
-  if target_model is None:
-    raise BadArgument("make_drafter needs the target model (load_model's first result)")
   fam, combined = registry.resolve(kind)
+  if target_model is None and registry.model_family(kind).name != "prompt_lookup":
+    raise BadArgument(f"drafter {kind!r} needs the target model (load_model's first result)")
   opts = BuildOptions(draft_model, draft_params, num_layers, max_ngram, min_ngram, tree)
   if combined is None:
     drafter, params = _build(fam, target_model, target_params, checkpoint, opts)
