@@ -185,15 +185,16 @@ def make_drafter(args, target, params, tokenizer, builtin_draft):
   checkpoint = args.draft_checkpoint or (shipped(family.name) if shipped else None)
   # flags this drafter would not read (the factory ignores them: its callers pass all alike)
   chosen = f"--draft {kind}" if args.draft else f"the default drafter ({kind})"
-  for flag, value, reader in (("--draft-layers", args.draft_layers, "layer_skip"),
+  for flag, value, option in (("--draft-layers", args.draft_layers, "num_layers"),
                               ("--draft-model", args.draft_model, "draft_model")):
-    if value is not None and family.name != reader:
-      raise BadArgument(f"{flag} is for --draft {reader} (or lookup+{reader}); {chosen} "
-                        "does not read it")
+    if value is not None and option not in family.options:
+      readers = [k for k in registry.kinds() if option in registry.model_family(k).options]
+      raise BadArgument(f"{flag} is for --draft {' or '.join(readers)}; {chosen} does not "
+                        "read it")
   if args.draft_model and args.draft_checkpoint:  # (the checkpoint's model would win)
     raise BadArgument("--draft-model and --draft-checkpoint both give the draft model: pass "
                       "one of them")
-  if family.name == "draft_model" and builtin_draft is None and not args.draft_model \
+  if "draft_model" in family.options and builtin_draft is None and not args.draft_model \
       and checkpoint is None:
     asked = f"--draft {kind}" if args.draft else "--tree (drafted by a model by default)"
     raise BadArgument(f"{asked} needs a draft model: pass --draft-model FILE (or "

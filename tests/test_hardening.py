@@ -638,7 +638,7 @@ BAD_FLAGS = [  # (script, argv, exit status, what the one line must say)
     ("generate", ["hi", "--draft", "none", "--gamma", "3", "--compare"], 2,
      "--draft none decodes autoregressively: --gamma, --compare would do nothing"),
     ("generate", ["hi", "--draft", "prompt_lookup", "--draft-layers", "2"], 2,
-     "--draft-layers is for --draft layer_skip (or lookup+layer_skip); --draft prompt_lookup "
+     "--draft-layers is for --draft layer_skip or lookup+layer_skip; --draft prompt_lookup "
      "does not read it"),
     ("generate", ["hi", "--draft", "layer_skip", "--draft-model", "/nonexistent"], 2,
      "--draft-model is for --draft draft_model"),

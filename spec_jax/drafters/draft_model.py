@@ -173,7 +173,7 @@ def _build(target, target_params, opts: BuildOptions):
 
 register(DrafterFamily(
     name="draft_model", summary="a separate small draft model with its own KV cache",
-    build=_build, tree=True, combinable=True,
+    build=_build, tree=True, combinable=True, options=("draft_model", "draft_params"),
     trained=Trained(new_model=new_draft_model, model_from_config=_model_from_config,
                     chain=DraftModelDrafter, tree=_tree_drafter, loss=draft_model_loss,
                     reads_target_head=False)))

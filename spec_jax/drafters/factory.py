@@ -53,7 +53,7 @@ def make_drafter(kind: str, target_model, target_params, *, draft_model=None, dr
       raise BadArgument(f"{name} must be a model handle (load_model's first result), got "
                         f"{type(model).__name__}")
   fam, combined = registry.resolve(kind)
-  if target_model is None and registry.model_family(kind).name != "prompt_lookup":
+  if target_model is None and registry.model_family(kind).reads_target:
     raise BadArgument(f"drafter {kind!r} needs the target model (load_model's first result)")
   opts = BuildOptions(draft_model, draft_params, num_layers, max_ngram, min_ngram, tree)
   if combined is None:

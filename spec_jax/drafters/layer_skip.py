@@ -59,4 +59,5 @@ def _build(target, target_params, opts: BuildOptions):
 
 
 register(DrafterFamily(name="layer_skip", summary="the target's first k layers, then its norm and "
-                       "head (default k: 3/4 of its layers)", build=_build, combinable=True))
+                       "head (default k: 3/4 of its layers)", build=_build, combinable=True,
+                       options=("num_layers",)))

@@ -195,4 +195,5 @@ def _build(target, target_params, opts: BuildOptions):
 
 
 register(DrafterFamily(name="prompt_lookup", summary="n-gram lookup in the row's own tokens "
-                       "(on device, deterministic, no params)", build=_build))
+                       "(on device, deterministic, no params)", build=_build,
+                       reads_target=False, options=("max_ngram", "min_ngram")))

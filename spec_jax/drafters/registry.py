@@ -107,6 +107,11 @@ class DrafterFamily:
   combinable: bool = False
   # a combinator: (the other family's chain drafter, its params, options) -> (drafter, params)
   combine: Callable[[Any, Any, BuildOptions], tuple[Any, Any]] | None = None
+  # its drafter reads the target model (its layers, head or config); False: built without it
+  reads_target: bool = True
+  # the BuildOptions fields its builder reads besides the tree (command lines refuse the
+  # flags of the others); "draft_model": it needs one, or a trained checkpoint
+  options: tuple[str, ...] = ()
 
 
 _FAMILIES: dict[str, DrafterFamily] = {}
