@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.core.errors import is_int
+from spec_jax.core.errors import is_int, is_real
 
 DEFAULT_GAMMA_MAX = 8
 
@@ -352,11 +352,11 @@ class AdaptiveConfig:
     costs = self.target_costs
     if costs is not None and isinstance(costs, (tuple, list, np.ndarray)):
       for w, c in enumerate(costs):
-        if not _is_number(c):
+        if not is_real(c):
           raise ValueError(f"target_costs[{w}] must be a number (a time), got {c!r}")
     for name in ("draft_cost", "first_draft_cost"):
       c = getattr(self, name)
-      if c is not None and not _is_number(c):
+      if c is not None and not is_real(c):
         raise ValueError(f"the draft cost ({name}) must be a number (a time), got {c!r}")
 
   @property
@@ -471,18 +471,11 @@ def drafting_costs(gamma_max: int, full: float | None, first: float | None) -> n
 MIN_COST, MAX_COST = 1e-12, 1e6
 
 
-def _is_number(value) -> bool:
-  """An int or float (NumPy's too), not a bool or a string."""
-  return isinstance(value, (int, float, np.integer, np.floating)) and \
-      not isinstance(value, (bool, np.bool_))
-
-
 def check_cost(value, what: str, *, drafting: bool = False) -> float:
   """One time of a cost table as a float: a number (not a bool or a string) in [MIN_COST,
   MAX_COST], or in [0, MAX_COST] for drafting; ValueError naming `what` otherwise."""
   lowest = 0.0 if drafting else MIN_COST
-  # (an int too large for a float, 10**400, would raise OverflowError in isfinite)
-  if not _is_number(value) or not lowest <= value <= MAX_COST or not math.isfinite(value):
+  if not is_real(value) or not lowest <= value <= MAX_COST:  # (nan and inf fail the range)
     raise ValueError(f"{what} must be a {'' if drafting else 'positive '}finite time from "
                      f"{lowest:g} to {MAX_COST:g}, got {value!r}")
   return float(value)

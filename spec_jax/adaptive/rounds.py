@@ -84,10 +84,9 @@ class AdaptiveRound:
         drafting_G = jnp.asarray(table.drafting_G)
     # the estimates the plan reads; a drafted round admits by the same (a combination's lookup
     # rows unfloored: their acceptance comes in long runs)
-    planned_BG = self.floored(view, drafter,
-                              None if primary_B is None else ~primary_B).estimate_BG
-    plan = self.plan(view.replace(estimate_BG=planned_BG), remaining_B, watch=watch,
-                     probe_every=probe_every, drafting_G=drafting_G)
+    planned = self.floored(view, drafter, None if primary_B is None else ~primary_B)
+    plan = self.plan(planned, remaining_B, watch=watch, probe_every=probe_every,
+                     drafting_G=drafting_G)
     lookup_only = None
     if primary_B is not None:
       # where the model's drafting does not pay this round, rows the primary serves may still:
@@ -114,7 +113,8 @@ class AdaptiveRound:
     def drafted_round(s):
       return self.drafted_round(step, drafter, gamma, sampling, verifier, draft_params, eos_id,
                                 jnp.asarray(table.verify_G1), plan.probe, plan.size, s,
-                                planned_BG, useful_B=useful_B, primary_B=primary_B, force=force,
+                                planned.estimate_BG, useful_B=useful_B, primary_B=primary_B,
+                                force=force,
                                 secondary_off=None if primary_B is None else
                                 lookup_only | jnp.all(primary_B | s.done_B))
 

@@ -43,6 +43,13 @@ def is_int(value: Any) -> bool:
       type(value).__name__ != "bool_"
 
 
+def is_real(value: Any) -> bool:
+  """True for real numbers (Python's and NumPy's ints and floats); False for bools and
+  strings."""
+  return isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+      type(value).__name__ != "bool_"
+
+
 def check_int(value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None,
               error: Error = BadArgument) -> int:
   """`value` as an int, or `error` naming `name` and what was expected."""
@@ -60,8 +67,7 @@ def check_int(value: Any, name: str, *, minimum: int | None = None, maximum: int
 def check_real(value: Any, name: str, *, positive: bool = False, minimum: float | None = None,
                error: Error = BadArgument) -> float:
   """`value` as a finite float (ints accepted, bools and strings not), or `error`."""
-  if isinstance(value, bool) or type(value).__name__ == "bool_" or \
-      not isinstance(value, numbers.Real):
+  if not is_real(value):
     raise error(f"{name} must be a number, got {value!r} ({type(value).__name__})")
   value = float(value)
   if not math.isfinite(value):

@@ -12,12 +12,13 @@ after (prompt + generated + the drafts before it), so verification stays exact.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from spec_jax.core.errors import is_int, is_real
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class SamplingConfig:
     for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):  # numbers, not strings or bools (a str fails in jit)
       value = getattr(self, name)
-      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+      if not is_real(value):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
       try:
         float(value)
@@ -55,8 +56,7 @@ class SamplingConfig:
                          f"of {len(str(abs(value)))} digits") from None
     for name in ("top_k", "min_new_tokens"):  # (4.0 would reach jit as a shape and fail there)
       value = getattr(self, name)
-      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or \
-          value < 0:
+      if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     # an infinite temperature divides every logit to nan or 0: top_k and top_p then cut nothing
     if not 0.0 <= self.temperature < float("inf"):
